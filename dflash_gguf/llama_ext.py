@@ -1,0 +1,127 @@
+"""ctypes bindings for the libllama functions that llama-cpp-python does not bind.
+
+They live in llama.cpp's C++ staging header `src/llama-ext.h`, so they are exported
+under C++-mangled names (Itanium on Linux/macOS, MSVC on Windows). This module is the
+only place that knows those names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import llama_cpp
+from llama_cpp import llama_cpp as _capi
+
+REQUIRED_VERSION = "0.3.36"
+
+
+class MissingSymbolError(RuntimeError):
+    """The loaded libllama lacks DFlash's layer-input API."""
+
+
+def _bind(names: tuple[str, ...], argtypes: list[Any], restype: Any) -> Callable[..., Any]:
+    lib = _capi._lib
+    for name in names:
+        func = getattr(lib, name, None)
+        if func is not None:
+            func.argtypes = argtypes
+            func.restype = restype
+            return func
+
+    def missing(*_args: Any) -> Any:
+        raise MissingSymbolError(
+            f"libllama has no {names[0]} (looked for {', '.join(names)}): DFlash needs "
+            f"llama-cpp-python>={REQUIRED_VERSION}, found {llama_cpp.__version__}; "
+            f"run: pip install 'llama-cpp-python>={REQUIRED_VERSION}'"
+        )
+
+    return missing
+
+
+_ctx = _capi.llama_context_p_ctypes
+_model = _capi.llama_model_p_ctypes
+
+# void llama_set_embeddings_layer_inp(llama_context * ctx, uint32_t lid, bool value)
+set_embeddings_layer_inp = _bind(
+    (
+        "llama_set_embeddings_layer_inp",
+        "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+        "?llama_set_embeddings_layer_inp@@YAXPEAUllama_context@@I_N@Z",
+    ),
+    [_ctx, ctypes.c_uint32, ctypes.c_bool],
+    None,
+)
+
+# float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid)
+get_embeddings_layer_inp = _bind(
+    (
+        "llama_get_embeddings_layer_inp",
+        "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+        "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z",
+    ),
+    [_ctx, ctypes.c_uint32],
+    ctypes.POINTER(ctypes.c_float),
+)
+
+# const int32_t * llama_model_target_layer_ids(const llama_model * model)
+model_target_layer_ids = _bind(
+    (
+        "llama_model_target_layer_ids",
+        "_Z28llama_model_target_layer_idsPK11llama_model",
+        "?llama_model_target_layer_ids@@YAPEBHPEBUllama_model@@@Z",
+    ),
+    [_model],
+    ctypes.POINTER(ctypes.c_int32),
+)
+
+# uint32_t llama_model_target_layer_ids_n(const llama_model * model)
+model_target_layer_ids_n = _bind(
+    (
+        "llama_model_target_layer_ids_n",
+        "_Z30llama_model_target_layer_ids_nPK11llama_model",
+        "?llama_model_target_layer_ids_n@@YAIPEBUllama_model@@@Z",
+    ),
+    [_model],
+    ctypes.c_uint32,
+)
+
+# int32_t llama_model_dflash_selector_top_k(const llama_model * model)
+model_dflash_selector_top_k = _bind(
+    (
+        "llama_model_dflash_selector_top_k",
+        "_Z33llama_model_dflash_selector_top_kPK11llama_model",
+        "?llama_model_dflash_selector_top_k@@YAHPEBUllama_model@@@Z",
+    ),
+    [_model],
+    ctypes.c_int32,
+)
+
+# void llama_set_embeddings_nextn(llama_context * ctx, bool value, bool masked)
+set_embeddings_nextn = _bind(
+    (
+        "llama_set_embeddings_nextn",
+        "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+        "?llama_set_embeddings_nextn@@YAXPEAUllama_context@@_N1@Z",
+    ),
+    [_ctx, ctypes.c_bool, ctypes.c_bool],
+    None,
+)
+
+# float * llama_get_embeddings_nextn(llama_context * ctx)
+get_embeddings_nextn = _bind(
+    (
+        "llama_get_embeddings_nextn",
+        "_Z26llama_get_embeddings_nextnP13llama_context",
+        "?llama_get_embeddings_nextn@@YAPEAMPEAUllama_context@@@Z",
+    ),
+    [_ctx],
+    ctypes.POINTER(ctypes.c_float),
+)
+
+
+def target_layer_ids(model: Any) -> list[int]:
+    """The drafter's `dflash.target_layers` as libllama loaded them."""
+    n = model_target_layer_ids_n(model)
+    ptr = model_target_layer_ids(model)
+    return [int(ptr[i]) for i in range(n)] if n and ptr else []
