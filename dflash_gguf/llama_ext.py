@@ -125,3 +125,15 @@ def target_layer_ids(model: Any) -> list[int]:
     n = model_target_layer_ids_n(model)
     ptr = model_target_layer_ids(model)
     return [int(ptr[i]) for i in range(n)] if n and ptr else []
+
+
+# uint32_t llama_model_get_tok_embd(const llama_model * model, float * out)
+model_get_tok_embd = _bind(
+    (
+        "llama_model_get_tok_embd",
+        "_Z24llama_model_get_tok_embdPK11llama_modelPf",
+        "?llama_model_get_tok_embd@@YAIPEBUllama_model@@PEAM@Z",
+    ),
+    [_model, ctypes.POINTER(ctypes.c_float)],
+    ctypes.c_uint32,
+)
