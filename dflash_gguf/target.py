@@ -1,0 +1,434 @@
+"""The target model: one libllama model + context, with layer-input capture.
+
+Everything that reaches C is validated here first, because libllama answers bad
+input with GGML_ASSERT, which aborts the whole process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence, Union
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_cpp as capi
+from llama_cpp._logger import set_verbose
+
+from . import llama_ext
+from .schema import Keys
+
+GGUF_MAGIC = b"GGUF"
+LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
+
+# Architectures whose libllama 0.3.36 graph records layer inputs (`res->t_layer_inp`, src/models/*.cpp),
+# and whether it also records the final hidden state (layer id n_layer). Capturing anything
+# else hits a GGML_ASSERT inside llama_decode, so capture() refuses it up front.
+LAYER_CAPTURE_ARCHS: dict[str, bool] = {
+    "llama": False, "qwen3": False, "qwen3moe": False, "qwen35": False, "qwen35moe": False,
+    "qwen3next": False, "qwen4exp": False, "gemma4": False, "gpt-oss": False, "lfm2": False,
+    "bailingmoe3": False, "hunyuan_vl": False, "minimax-01": False, "minimax-m2": False,
+    "muse-glimmer": False, "nanbeige": False,
+    "mimo2": True, "nemotron_h": True, "deepseek4": True,
+}
+
+LogitsSpec = Union[bool, str, Sequence[bool]]
+
+_backend_ready = False
+
+
+def init_backend(verbose: bool = False) -> None:
+    """Initialise libllama once per process and route its log through llama-cpp-python's logger."""
+    global _backend_ready
+    set_verbose(verbose)
+    if not _backend_ready:
+        capi.llama_backend_init()
+        _backend_ready = True
+
+
+def default_threads() -> int:
+    """Half the cores, as llama_cpp.Llama does: the other half keeps the machine responsive."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def check_gguf_file(path: str | os.PathLike[str]) -> Path:
+    """A readable file that starts with the GGUF magic, else a clear exception (before libllama sees it)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{p}: not a regular file")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{p}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    return p
+
+
+def load_model(path: str | os.PathLike[str], *, n_gpu_layers: int = 0) -> capi.llama_model_p:
+    """llama_model_load_from_file with the file checked first and NULL turned into ValueError."""
+    p = check_gguf_file(path)
+    if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
+        raise ValueError(f"n_gpu_layers must be an integer >= -1 (-1 = all), got {n_gpu_layers!r}")
+    params = capi.llama_model_default_params()
+    params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+    model = capi.llama_model_load_from_file(str(p).encode(), params)
+    if not model:
+        raise ValueError(f"{p}: libllama could not load this GGUF (corrupt, truncated or unsupported architecture)")
+    return model
+
+
+def new_context(
+    model: capi.llama_model_p,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq_max: int = 1,
+    n_threads: int | None = None,
+    ctx_other: capi.llama_context_p | None = None,
+) -> capi.llama_context_p:
+    """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph."""
+    for name, value, lo in (("n_ctx", n_ctx, 8), ("n_batch", n_batch, 1), ("n_seq_max", n_seq_max, 1)):
+        if not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if n_seq_max > LLAMA_MAX_SEQ:
+        raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {n_seq_max}")
+    threads = default_threads() if n_threads is None else n_threads
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
+    params = capi.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    params.n_seq_max = n_seq_max
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.no_perf = True
+    if ctx_other is not None:
+        params.ctx_other = ctx_other
+    ctx = capi.llama_init_from_model(model, params)
+    if not ctx:
+        raise RuntimeError(f"libllama could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max})")
+    return ctx
+
+
+def meta_str(model: capi.llama_model_p, key: str) -> str | None:
+    """One GGUF metadata value as libllama stores it (arrays are summarised), or None if absent."""
+    size = 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = capi.llama_model_meta_val_str(model, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.value.decode("utf-8", errors="replace")
+        size = n + 1
+
+
+class Target:
+    """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
+
+    def __init__(self, model: capi.llama_model_p, ctx: capi.llama_context_p, *, owned: bool = False) -> None:
+        if not model or not ctx:
+            raise ValueError("Target needs a loaded llama model and context")
+        self._model = model
+        self._ctx = ctx
+        self._owned = owned
+        self._vocab = capi.llama_model_get_vocab(model)
+        self._mem = capi.llama_get_memory(ctx)
+        self.n_embd: int = capi.llama_model_n_embd(model)
+        self.n_layer: int = capi.llama_model_n_layer(model)
+        self.n_vocab: int = capi.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx: int = capi.llama_n_ctx(ctx)
+        self.n_ctx_seq: int = capi.llama_n_ctx_seq(ctx)
+        self.n_batch: int = capi.llama_n_batch(ctx)
+        self.n_seq_max: int = capi.llama_n_seq_max(ctx)
+        self.architecture: str = meta_str(model, Keys.ARCHITECTURE) or ""
+        self.recurrent: bool = bool(capi.llama_model_is_recurrent(model) or capi.llama_model_is_hybrid(model))
+        self._layers: list[int] = []
+        self._features_ready = False
+        self._n_last = 0
+        self._out_index = np.full(self.n_batch, -1, dtype=np.int64)
+        self._n_outputs = 0
+        self._init_batch()
+
+    def _init_batch(self) -> None:
+        """A llama_batch whose arrays are numpy buffers, so a decode fills them with slice copies."""
+        n = self.n_batch
+        self._tok = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._nseq = np.ones(n, dtype=np.int32)
+        self._seq = np.zeros((n, 1), dtype=np.int32)
+        self._out = np.zeros(n, dtype=np.int8)
+        seq_ptr_t = ctypes.POINTER(capi.llama_seq_id)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (seq_ptr_t * n)(*[ctypes.cast(base + 4 * i, seq_ptr_t) for i in range(n)])
+        b = capi.llama_batch()
+        b.token = self._tok.ctypes.data_as(ctypes.POINTER(capi.llama_token))
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(capi.llama_pos))
+        b.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = self._seq_ptrs
+        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_seq_max: int = 1,
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        verbose: bool = False,
+    ) -> "Target":
+        """Load a GGUF and create its context; the Target owns both."""
+        init_backend(verbose)
+        model = load_model(path, n_gpu_layers=n_gpu_layers)
+        try:
+            ctx = new_context(model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads)
+        except BaseException:
+            capi.llama_model_free(model)
+            raise
+        return cls(model, ctx, owned=True)
+
+    @classmethod
+    def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
+        """Share an existing llama_cpp.Llama's model and context; closing the Target frees nothing."""
+        return cls(llama.model, llama.ctx, owned=False)
+
+    # -- raw handles for the drafter (same package, same C boundary) -------------------------
+    @property
+    def model(self) -> capi.llama_model_p:
+        return self._model
+
+    @property
+    def ctx(self) -> capi.llama_context_p:
+        return self._ctx
+
+    @property
+    def layers(self) -> list[int]:
+        """Captured layer-input ids, in capture() order."""
+        return list(self._layers)
+
+    def meta(self, key: str) -> str | None:
+        return meta_str(self._model, key)
+
+    # -- layer capture ---------------------------------------------------------------------
+    def capture(self, layers: Sequence[int]) -> None:
+        """Extract these layer inputs (GGUF `dflash.target_layers` ids) on every later decode."""
+        if self.architecture not in LAYER_CAPTURE_ARCHS:
+            raise ValueError(
+                f"libllama cannot capture layer inputs of a {self.architecture!r} target "
+                f"(supported: {', '.join(sorted(LAYER_CAPTURE_ARCHS))})"
+            )
+        ids = [int(i) for i in layers]
+        if not ids:
+            raise ValueError("capture() needs at least one layer id")
+        top = self.n_layer if LAYER_CAPTURE_ARCHS[self.architecture] else self.n_layer - 1
+        bad = [i for i in ids if not 0 <= i <= top]
+        if bad:
+            raise ValueError(f"layer ids {bad} out of range: this {self.architecture} target exposes layer inputs 0..{top}")
+        for lid in set(self._layers) - set(ids):
+            llama_ext.set_embeddings_layer_inp(self._ctx, lid, False)
+        for lid in ids:
+            llama_ext.set_embeddings_layer_inp(self._ctx, lid, True)
+        self._layers = ids
+        self._features_ready = False
+
+    # -- decoding --------------------------------------------------------------------------
+    def decode(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: int | Sequence[int] | np.ndarray,
+        seq_ids: int | Sequence[int] | np.ndarray = 0,
+        logits: LogitsSpec = "last",
+    ) -> None:
+        """One llama_decode of `tokens` at `positions` (a start position or one per token)."""
+        tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tok.size
+        if n == 0:
+            raise ValueError("decode() needs at least one token")
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
+        if tok.min() < 0 or tok.max() >= self.n_vocab:
+            raise ValueError(f"token ids must be in [0, {self.n_vocab}), got range [{tok.min()}, {tok.max()}]")
+        if np.isscalar(positions) or np.ndim(positions) == 0:
+            pos = int(positions) + np.arange(n, dtype=np.int64)
+        else:
+            pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+            if pos.size != n:
+                raise ValueError(f"{pos.size} positions for {n} tokens")
+        if pos.min() < 0 or pos.max() >= self.n_ctx_seq:
+            raise ValueError(
+                f"positions must be in [0, {self.n_ctx_seq}) (context per sequence), got [{pos.min()}, {pos.max()}]"
+            )
+        seq = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), (n,)) if np.ndim(seq_ids) == 0 else np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+        if seq.size != n:
+            raise ValueError(f"{seq.size} sequence ids for {n} tokens")
+        if seq.min() < 0 or seq.max() >= self.n_seq_max:
+            raise ValueError(f"sequence ids must be in [0, {self.n_seq_max}), got [{seq.min()}, {seq.max()}]")
+        out = self._output_mask(logits, n)
+
+        self._tok[:n] = tok
+        self._pos[:n] = pos
+        self._seq[:n, 0] = seq
+        self._out[:n] = out
+        self._batch.n_tokens = n
+        self._features_ready = False
+        rc = capi.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._n_outputs = 0
+            raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, <-1: fatal)")
+        self._n_last = n
+        self._out_index[:n] = np.where(out, np.cumsum(out) - 1, -1)
+        self._n_outputs = int(out.sum())
+        self._features_ready = bool(self._layers)
+
+    @staticmethod
+    def _output_mask(logits: LogitsSpec, n: int) -> np.ndarray:
+        if logits is True:
+            return np.ones(n, dtype=np.int8)
+        if logits is False:
+            return np.zeros(n, dtype=np.int8)
+        if isinstance(logits, str):
+            if logits != "last":
+                raise ValueError(f"logits must be True, False, 'last' or a sequence of bools, got {logits!r}")
+            mask = np.zeros(n, dtype=np.int8)
+            mask[-1] = 1
+            return mask
+        mask = np.asarray(logits, dtype=bool).reshape(-1)
+        if mask.size != n:
+            raise ValueError(f"{mask.size} logits flags for {n} tokens")
+        return mask.astype(np.int8)
+
+    def logits(self, i: int) -> np.ndarray:
+        """(n_vocab,) float32 copy of the logits of batch row i of the last decode."""
+        return self._row_view(i).copy()
+
+    def _row_view(self, i: int) -> np.ndarray:
+        if not 0 <= i < self._n_last or self._out_index[i] < 0:
+            raise IndexError(f"batch row {i} of the last decode has no logits")
+        ptr = capi.llama_get_logits_ith(self._ctx, i)
+        if not ptr:
+            raise RuntimeError(f"libllama returned no logits for batch row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def output_logits(self) -> np.ndarray:
+        """(n_outputs, n_vocab) read-only view of every output row of the last decode, in batch order.
+
+        No copy: valid until the next decode. Greedy decoding takes argmax straight from it.
+        """
+        if self._n_outputs == 0:
+            raise IndexError("the last decode produced no logits")
+        ptr = capi.llama_get_logits(self._ctx)
+        view = np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.n_vocab))
+        view.flags.writeable = False
+        return view
+
+    def features(self, n_tokens: int, offset: int = 0) -> np.ndarray:
+        """(n_tokens, len(layers)*n_embd) float32 copy of captured layer inputs for batch rows offset.. of the last decode."""
+        if not self._layers:
+            raise RuntimeError("no layers captured: call capture(layers) before decode()")
+        if not self._features_ready:
+            raise RuntimeError("no features: decode() a batch after capture()")
+        if n_tokens < 0 or offset < 0 or offset + n_tokens > self._n_last:
+            raise ValueError(f"rows [{offset}, {offset + n_tokens}) outside the last batch of {self._n_last} tokens")
+        e = self.n_embd
+        out = np.empty((n_tokens, len(self._layers) * e), dtype=np.float32)
+        for k, lid in enumerate(self._layers):
+            ptr = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
+            layer = np.ctypeslib.as_array(ptr, shape=(self._n_last, e))
+            out[:, k * e : (k + 1) * e] = layer[offset : offset + n_tokens]
+        return out
+
+    def token_embeddings(self) -> np.ndarray:
+        """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
+        n = llama_ext.model_get_tok_embd(self._model, None)
+        if n != self.n_vocab * self.n_embd:
+            raise RuntimeError(f"libllama returned {n} embedding values, expected {self.n_vocab * self.n_embd}")
+        out = np.empty((self.n_vocab, self.n_embd), dtype=np.float32)
+        llama_ext.model_get_tok_embd(self._model, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        return out
+
+    # -- KV cache --------------------------------------------------------------------------
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) of a sequence (-1: all sequences / to the end) from the KV cache."""
+        if not -1 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id must be in [-1, {self.n_seq_max}), got {seq_id}")
+        if not capi.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
+            raise RuntimeError(f"llama_memory_seq_rm(seq={seq_id}, [{p0}, {p1})) failed")
+
+    def pos_max(self, seq_id: int = 0) -> int:
+        """Largest cached position of a sequence, -1 when empty."""
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
+        return int(capi.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def clear(self) -> None:
+        capi.llama_memory_clear(self._mem, True)
+
+    # -- vocabulary ------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (capi.llama_token * cap)()
+        n = capi.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (capi.llama_token * cap)()
+            n = capi.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise RuntimeError(f"tokenization failed ({n})")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The UTF-8 bytes of one token (may be part of a character)."""
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
+        buf = ctypes.create_string_buffer(64)
+        n = capi.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = capi.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(capi.llama_vocab_is_eog(self._vocab, token))
+
+    def special_token_text(self, token: int) -> str:
+        return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+
+    def bos_token(self) -> int:
+        return int(capi.llama_vocab_bos(self._vocab))
+
+    def eos_token(self) -> int:
+        return int(capi.llama_vocab_eos(self._vocab))
+
+    def chat_template(self) -> str | None:
+        raw = capi.llama_model_chat_template(self._model, None)
+        return raw.decode("utf-8") if raw else None
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free model and context if this Target owns them; safe to call twice."""
+        if self._owned and self._ctx:
+            capi.llama_free(self._ctx)
+            capi.llama_model_free(self._model)
+        self._ctx = None
+        self._model = None
+
+    def __enter__(self) -> "Target":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
