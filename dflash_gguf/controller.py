@@ -1,0 +1,267 @@
+"""Per-cycle choice of how many draft tokens to verify, from measured costs and observed acceptance.
+
+Speculation only pays where the tokens a cycle is expected to commit outweigh what that cycle costs on
+this machine. The controller compares every candidate block against plain decoding each cycle, steps
+aside when drafts do not pay, probes now and then so it can come back, and says why it chose what it did.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+TimingKind = Literal["draft", "verify", "plain"]
+
+# an outlier sample (another process took the core) moves an estimate by at most this factor per update
+_MAX_SAMPLE_RATIO = 4.0
+
+
+class CostTable:
+    """Seconds per call as a function of batch tokens: measured points, EMA-updated, linear in between.
+
+    Batched kernels do not scale linearly with batch size (and differ by quantization), so the table keeps
+    the points actually measured on this machine rather than a fitted per-token slope.
+    """
+
+    def __init__(self, points: Mapping[int, float], *, smoothing: float = 0.2) -> None:
+        if not points:
+            raise ValueError("a cost table needs at least one measured point")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        for n, s in points.items():
+            _check_sample(n, s)
+        self._n = sorted(int(n) for n in points)
+        self._s = [float(points[n]) for n in self._n]
+        self._smoothing = smoothing
+
+    def seconds(self, n_tokens: int) -> float:
+        """Estimated seconds for a call over `n_tokens` tokens (linear between points, flat-or-rising beyond)."""
+        if n_tokens < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+        i = bisect.bisect_left(self._n, n_tokens)
+        if i < len(self._n) and self._n[i] == n_tokens:
+            return self._s[i]
+        if i == 0 or len(self._n) == 1:  # below every point (or only one): as costly as the nearest one
+            return self._s[0] if i == 0 else self._s[-1]
+        lo = i - 1 if i < len(self._n) else len(self._n) - 2  # above every point: extend the last segment
+        slope = max(0.0, (self._s[lo + 1] - self._s[lo]) / (self._n[lo + 1] - self._n[lo]))
+        return self._s[lo] + slope * (n_tokens - self._n[lo])
+
+    def update(self, n_tokens: int, seconds: float) -> None:
+        """Fold one measurement in (EMA); a batch size not seen before starts from the interpolated estimate."""
+        _check_sample(n_tokens, seconds)
+        i = bisect.bisect_left(self._n, n_tokens)
+        if i == len(self._n) or self._n[i] != n_tokens:
+            estimate = self.seconds(n_tokens)
+            self._n.insert(i, n_tokens)
+            self._s.insert(i, estimate)
+        current = self._s[i]
+        sample = min(max(seconds, current / _MAX_SAMPLE_RATIO), current * _MAX_SAMPLE_RATIO)
+        self._s[i] = (1.0 - self._smoothing) * current + self._smoothing * sample
+
+    def points(self) -> dict[int, float]:
+        """The current estimate at every point measured so far."""
+        return dict(zip(self._n, self._s))
+
+
+def _check_sample(n_tokens: int, seconds: float) -> None:
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0.0):
+        raise ValueError(f"seconds must be a finite positive number, got {seconds!r}")
+
+
+class CostModel:
+    """What one cycle costs on this machine: a target batch of n tokens, and one drafter pass over a block.
+
+    Plain decoding is a target batch of one token, so plain and verify timings feed the same table.
+    """
+
+    def __init__(self, target: Mapping[int, float], draft: Mapping[int, float], *, smoothing: float = 0.2) -> None:
+        self.target = CostTable(target, smoothing=smoothing)
+        self.draft = CostTable(draft, smoothing=smoothing)
+
+    def verify_s(self, n_tokens: int) -> float:
+        return self.target.seconds(n_tokens)
+
+    def draft_s(self, block_tokens: int) -> float:
+        return self.draft.seconds(block_tokens)
+
+    @property
+    def plain_s(self) -> float:
+        return self.target.seconds(1)
+
+    def observe(self, kind: TimingKind, n_tokens: int, seconds: float) -> None:
+        if kind == "draft":
+            self.draft.update(n_tokens, seconds)
+        elif kind in ("verify", "plain"):
+            self.target.update(n_tokens, seconds)
+        else:
+            raise ValueError(f"timing kind must be 'draft', 'verify' or 'plain', got {kind!r}")
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """One cycle's decision: verify `n_draft` drafted tokens (0 = decode plainly), and why."""
+
+    n_draft: int
+    reason: str
+    expected_tokens_per_s: float
+
+    @property
+    def block_size(self) -> int:
+        """Tokens the target processes this cycle: the last committed token plus the drafts."""
+        return self.n_draft + 1
+
+
+class BlockController:
+    """Chooses the block size that maximises expected tokens per second, cycle by cycle.
+
+    Acceptance is tracked per draft position as decayed Beta counts shrunk towards the pooled rate, so a
+    few cycles are enough to react and positions never tried borrow from those that were. Once plain
+    decoding wins, the controller keeps to it and probes with a draft after a plain streak that doubles on
+    every failed probe: the cost of probing a drafter that never passes stays a few percent.
+    Call `choose` once per cycle, then `observe` with what happened.
+    """
+
+    def __init__(
+        self,
+        max_draft: int,
+        costs: CostModel,
+        *,
+        adaptive: bool = True,
+        prior_acceptance: float = 0.8,
+        prior_strength: float = 2.0,
+        pool_strength: float = 4.0,
+        memory: float = 0.9,
+        probe_after: int = 16,
+        max_probe_after: int = 256,
+    ) -> None:
+        if not isinstance(max_draft, int) or max_draft < 1:
+            raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+        if not 0.0 < prior_acceptance < 1.0:
+            raise ValueError(f"prior_acceptance must be in (0, 1), got {prior_acceptance}")
+        if prior_strength <= 0.0 or pool_strength <= 0.0:
+            raise ValueError(f"prior_strength and pool_strength must be > 0, got {prior_strength}, {pool_strength}")
+        if not 0.0 < memory <= 1.0:
+            raise ValueError(f"memory must be in (0, 1], got {memory}")
+        if probe_after < 1 or max_probe_after < probe_after:
+            raise ValueError("need 1 <= probe_after <= max_probe_after")
+        self.max_draft = max_draft
+        self.costs = costs
+        self.adaptive = adaptive
+        self._prior_acceptance = prior_acceptance
+        self._prior_strength = prior_strength
+        self._pool_strength = pool_strength
+        self._memory = memory
+        self._base_probe_after = probe_after
+        self._max_probe_after = max_probe_after
+        self._accepted = [0.0] * max_draft  # decayed count of cycles where draft position j was accepted
+        self._tried = [0.0] * max_draft  # decayed count of cycles where draft position j was judged
+        self._cycle = 0
+        self._last_observed_cycle = 0
+        self._aside = False
+        self._plain_streak = 0
+        self._probe_after = probe_after
+        self._probing = False
+
+    # -- acceptance profile -------------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """P(draft j accepted | drafts before it accepted), j = 1..max_draft, as currently estimated."""
+        decay = self._decay()
+        pooled = (sum(self._accepted) * decay + self._prior_strength * self._prior_acceptance) / (
+            sum(self._tried) * decay + self._prior_strength
+        )
+        return [
+            (a * decay + self._pool_strength * pooled) / (t * decay + self._pool_strength)
+            for a, t in zip(self._accepted, self._tried)
+        ]
+
+    def expected_tokens(self) -> list[float]:
+        """Expected tokens committed by a cycle verifying n drafts, n = 0..max_draft (bonus token included)."""
+        expected = [1.0]
+        all_accepted = 1.0
+        for p in self.acceptance():
+            all_accepted *= p
+            expected.append(expected[-1] + all_accepted)
+        return expected
+
+    def _decay(self) -> float:
+        """Evidence fades with the cycles since it was gathered, so a probe after a long plain run counts."""
+        return self._memory ** max(0, self._cycle - self._last_observed_cycle)
+
+    # -- decisions ----------------------------------------------------------------------------------
+
+    def choose(self) -> BlockChoice:
+        self._cycle += 1
+        expected = self.expected_tokens()
+        plain_rate = 1.0 / self.costs.plain_s
+        if not self.adaptive:
+            n = self.max_draft
+            return BlockChoice(n, f"fixed block {n + 1}: {self._describe(n, expected)}", self._rate(n, expected))
+        best_n = max(range(1, self.max_draft + 1), key=lambda n: self._rate(n, expected))
+        best_rate = self._rate(best_n, expected)
+        if best_rate > plain_rate and not self._aside:
+            self._probe_after = self._base_probe_after
+            reason = f"draft {best_n}: {self._describe(best_n, expected)} > plain {plain_rate:.0f} tok/s"
+            return BlockChoice(best_n, reason, best_rate)
+        if not self._aside:
+            self._aside = True
+            self._plain_streak = 0
+        if self._plain_streak >= self._probe_after:
+            self._plain_streak = 0
+            self._probing = True
+            reason = f"probe draft {best_n} after {self._probe_after} plain cycles: {self._describe(best_n, expected)}"
+            return BlockChoice(best_n, reason, best_rate)
+        self._plain_streak += 1
+        reason = (
+            f"plain: drafts rarely accepted (best draft {best_n}: {self._describe(best_n, expected)}) "
+            f"< plain {plain_rate:.0f} tok/s"
+        )
+        return BlockChoice(0, reason, plain_rate)
+
+    def observe(self, n_draft: int, n_accepted: int) -> None:
+        """Record a cycle's outcome: `n_accepted` of `n_draft` drafts matched (n_draft 0 = a plain cycle)."""
+        if not (isinstance(n_draft, int) and isinstance(n_accepted, int)):
+            raise ValueError("n_draft and n_accepted must be integers")
+        if not 0 <= n_accepted <= n_draft <= self.max_draft:
+            raise ValueError(f"need 0 <= n_accepted <= n_draft <= {self.max_draft}, got {n_accepted}, {n_draft}")
+        if n_draft == 0:
+            return
+        decay = self._decay()
+        self._accepted = [a * decay for a in self._accepted]
+        self._tried = [t * decay for t in self._tried]
+        for j in range(n_accepted):
+            self._accepted[j] += 1.0
+            self._tried[j] += 1.0
+        if n_accepted < n_draft:
+            self._tried[n_accepted] += 1.0
+        self._last_observed_cycle = self._cycle
+        if self._probing:
+            self._probing = False
+            expected = self.expected_tokens()
+            best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
+            plain_rate = 1.0 / self.costs.plain_s
+            if best > plain_rate:
+                self._aside = False
+            elif (n_accepted + 1) / self._cycle_s(n_draft) > plain_rate:
+                self._probe_after = self._base_probe_after  # the probe paid for itself: the profile may be turning
+            else:  # wait twice as long before the next probe, so a hopeless drafter costs little
+                self._probe_after = min(2 * self._probe_after, self._max_probe_after)
+
+    def observe_timing(self, kind: TimingKind, n_tokens: int, seconds: float) -> None:
+        """Fold a measured draft pass (n_tokens = block tokens) or target batch into the cost model."""
+        self.costs.observe(kind, n_tokens, seconds)
+
+    def _cycle_s(self, n_draft: int) -> float:
+        return self.costs.draft_s(n_draft + 1) + self.costs.verify_s(n_draft + 1)
+
+    def _rate(self, n_draft: int, expected: Sequence[float]) -> float:
+        return expected[n_draft] / self._cycle_s(n_draft)
+
+    def _describe(self, n_draft: int, expected: Sequence[float]) -> str:
+        seconds = self._cycle_s(n_draft)
+        return f"E={expected[n_draft]:.1f} tok for {seconds * 1e3:.1f} ms = {expected[n_draft] / seconds:.0f} tok/s"

@@ -1,0 +1,164 @@
+"""The adaptive block controller on synthetic cost and acceptance profiles.
+
+Costs are shaped like this machine's measurements (docs/BENCHMARKS.md); acceptance is simulated with a
+seeded generator so each test replays the same cycles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_gguf.controller import BlockController, CostModel, CostTable
+
+MAX_DRAFT = 15
+# seconds for a target batch of n tokens: Q4_1-like (16 tokens ~ 8.8x one step) and Q4_0-like (~4.8x)
+Q4_1_TARGET = {1: 0.011, 2: 0.015, 4: 0.024, 8: 0.050, 12: 0.075, 16: 0.097}
+Q4_0_TARGET = {1: 0.010, 2: 0.012, 4: 0.017, 8: 0.028, 12: 0.038, 16: 0.048}
+DRAFT = {16: 0.006}
+
+
+def costs(target: dict[int, float] = Q4_1_TARGET) -> CostModel:
+    return CostModel(dict(target), dict(DRAFT))
+
+
+def run(controller: BlockController, accept_p: float, cycles: int, rng: np.random.Generator) -> list[int]:
+    """Simulate `cycles` cycles where each draft passes with probability accept_p given the ones before did."""
+    chosen = []
+    for _ in range(cycles):
+        n = controller.choose().n_draft
+        accepted = 0
+        while accepted < n and rng.random() < accept_p:
+            accepted += 1
+        controller.observe(n, accepted)
+        chosen.append(n)
+    return chosen
+
+
+def simulated_tokens_per_s(model: CostModel, chosen: list[int], accept_p: float, rng: np.random.Generator) -> float:
+    tokens = seconds = 0.0
+    for n in chosen:
+        accepted = 0
+        while accepted < n and rng.random() < accept_p:
+            accepted += 1
+        tokens += accepted + 1
+        seconds += model.verify_s(n + 1) + (model.draft_s(n + 1) if n else 0.0)
+    return tokens / seconds
+
+
+def test_plain_decoding_when_drafts_never_pass() -> None:
+    model = costs()
+    controller = BlockController(MAX_DRAFT, model)
+    chosen = run(controller, 0.0, 300, np.random.default_rng(0))
+    assert chosen[-1] == 0
+    assert sum(n == 0 for n in chosen) / len(chosen) > 0.95
+    # probing keeps the loss against plain decoding within the 0.95x goal
+    rate = simulated_tokens_per_s(model, chosen, 0.0, np.random.default_rng(1))
+    assert rate >= 0.95 / model.plain_s
+    choice = controller.choose()
+    assert choice.n_draft == 0 and choice.reason.startswith("plain: drafts rarely accepted")
+    assert "< plain 91 tok/s" in choice.reason
+    assert choice.expected_tokens_per_s == pytest.approx(1 / 0.011)
+
+
+def test_largest_block_when_drafts_always_pass() -> None:
+    controller = BlockController(MAX_DRAFT, costs())
+    chosen = run(controller, 1.0, 40, np.random.default_rng(0))
+    assert chosen[-10:] == [MAX_DRAFT] * 10
+    choice = controller.choose()
+    assert choice.reason.startswith(f"draft {MAX_DRAFT}: E=")
+    assert choice.expected_tokens_per_s > 1.5 / 0.011
+
+
+def test_partial_acceptance_picks_an_intermediate_block() -> None:
+    model = costs(Q4_0_TARGET)
+    controller = BlockController(MAX_DRAFT, model)
+    chosen = run(controller, 0.75, 400, np.random.default_rng(1))
+    drafted = [n for n in chosen[-200:] if n]
+    assert len(drafted) > 100
+    assert 2 <= float(np.median(drafted)) <= 8, drafted
+    assert simulated_tokens_per_s(model, chosen, 0.75, np.random.default_rng(2)) > 1.0 / model.plain_s
+    # the profile says a position is accepted about 3 times in 4
+    assert controller.acceptance()[0] == pytest.approx(0.75, abs=0.2)
+
+
+def test_moves_to_plain_and_back_as_the_profile_changes() -> None:
+    rng = np.random.default_rng(0)
+    controller = BlockController(MAX_DRAFT, costs())
+    good = run(controller, 1.0, 40, rng)
+    assert good[-1] == MAX_DRAFT
+    bad = run(controller, 0.0, 200, rng)
+    assert bad.index(0) <= 8, bad[:10]  # steps aside within a few cycles
+    assert bad[-1] == 0
+    recovered = run(controller, 1.0, 150, rng)
+    first_large = next(i for i, n in enumerate(recovered) if n == MAX_DRAFT)
+    # back to the largest block once a probe sees drafts passing again (probe interval <= 256 cycles)
+    assert first_large < 140, recovered
+    assert recovered[-5:] == [MAX_DRAFT] * 5
+    assert run(controller, 0.0, 20, rng)[-1] == 0
+
+
+def test_cheaper_batched_kernels_favour_larger_blocks() -> None:
+    slow = BlockController(MAX_DRAFT, costs(Q4_1_TARGET))
+    fast = BlockController(MAX_DRAFT, costs(Q4_0_TARGET))
+    for controller in (slow, fast):
+        run(controller, 0.8, 200, np.random.default_rng(3))
+    assert fast.choose().n_draft > slow.choose().n_draft
+
+
+def test_online_timing_updates_change_the_decision() -> None:
+    controller = BlockController(MAX_DRAFT, costs())
+    run(controller, 1.0, 20, np.random.default_rng(0))
+    assert controller.choose().n_draft == MAX_DRAFT
+    for _ in range(30):  # the drafter turns out far slower on this machine than calibrated
+        controller.observe_timing("draft", MAX_DRAFT + 1, 2.0)
+    assert controller.costs.draft_s(MAX_DRAFT + 1) > 1.0
+    choice = controller.choose()
+    assert choice.n_draft == 0 and choice.reason.startswith("plain")
+
+
+def test_fixed_block_ignores_acceptance() -> None:
+    controller = BlockController(7, costs(), adaptive=False)
+    chosen = run(controller, 0.0, 30, np.random.default_rng(0))
+    assert chosen == [7] * 30
+    assert controller.choose().reason.startswith("fixed block 8: E=")
+
+
+def test_expected_tokens_follow_the_acceptance_profile() -> None:
+    controller = BlockController(4, costs(), prior_acceptance=0.5)
+    expected = controller.expected_tokens()
+    assert expected == pytest.approx([1.0, 1.5, 1.75, 1.875, 1.9375])
+    for _ in range(50):
+        controller.choose()
+        controller.observe(4, 4)
+    assert controller.expected_tokens()[4] > 4.5
+
+
+def test_observe_rejects_impossible_outcomes() -> None:
+    controller = BlockController(4, costs())
+    with pytest.raises(ValueError, match="n_accepted <= n_draft"):
+        controller.observe(2, 3)
+    with pytest.raises(ValueError, match="n_draft <= 4"):
+        controller.observe(5, 0)
+    with pytest.raises(ValueError, match="timing kind"):
+        controller.observe_timing("prefill", 4, 0.01)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_draft"):
+        BlockController(0, costs())
+
+
+def test_cost_table_interpolates_and_smooths() -> None:
+    table = CostTable({1: 0.010, 4: 0.016, 16: 0.064}, smoothing=0.5)
+    assert table.seconds(2) == pytest.approx(0.012)
+    assert table.seconds(10) == pytest.approx(0.040)
+    assert table.seconds(20) == pytest.approx(0.080)  # last segment extended
+    table.update(4, 0.020)
+    assert table.seconds(4) == pytest.approx(0.018)
+    table.update(4, 10.0)  # a wild outlier moves the estimate by a bounded step only
+    assert table.seconds(4) == pytest.approx(0.5 * 0.018 + 0.5 * 0.072)
+    table.update(8, 0.030)  # a new point starts from the interpolated estimate
+    interpolated = 0.045 + (0.064 - 0.045) * 4 / 12
+    assert table.points()[8] == pytest.approx(0.5 * interpolated + 0.5 * 0.030)
+    with pytest.raises(ValueError, match="seconds must be"):
+        table.update(2, float("nan"))
+    with pytest.raises(ValueError, match="at least one"):
+        CostTable({})
