@@ -1,0 +1,120 @@
+"""`dflash-chat`: parse and check every flag and open both models before the UI takes the terminal.
+
+A bad flag or a bad file is a one-line error and exit status 2, printed to a normal terminal; once the
+Session is open the Textual app starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+
+PROG = "dflash-chat"
+# below this the chat template and a short prompt no longer fit
+MIN_N_CTX = 64
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog=PROG,
+        description="Chat with a GGUF model through DFlash speculative decoding and watch it work.",
+    )
+    parser.add_argument("--target", type=Path, help="target model GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the embedded drafter)")
+    parser.add_argument("--n-gpu-layers", type=_int_at_least(-1), default=0, help="layers to offload (-1 = all)")
+    parser.add_argument("--n-ctx", type=_int_at_least(MIN_N_CTX), default=4096, help="context size in tokens")
+    parser.add_argument("--n-threads", type=_int_at_least(1), default=None, help="CPU threads (default: llama.cpp's)")
+    parser.add_argument("--block-size", type=_int_at_least(1), default=None,
+                        help="fixed block size (drafts + 1); default: adaptive")
+    parser.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=_float, default=1.0)
+    parser.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
+    parser.add_argument("--seed", type=_int_at_least(0), default=None)
+    parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="tokens per reply")
+    return parser
+
+
+def _check_file(parser: OneLineParser, flag: str, path: Path | None) -> None:
+    if path is not None and not path.is_file():
+        parser.error(f"{flag} {path}: no such file")
+
+
+def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, ChatOptions]:
+    """Parse and validate the command line; exits with status 2 and one line on any bad value."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ValueError as error:
+        parser.error(str(error))
+    _check_file(parser, "--target", args.target)
+    _check_file(parser, "--drafter", args.drafter)
+    generation = GenerationOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        block_size=args.block_size,
+    )
+    return args, ChatOptions(generation=generation, system=args.system)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, options = parse_options(argv)
+    from dflash_gguf.session import Session  # imported late: `--help` and flag errors stay instant
+
+    print(f"{PROG}: loading models…", file=sys.stderr, flush=True)
+    try:
+        session = Session(
+            args.target,
+            args.drafter,
+            n_ctx=args.n_ctx,
+            n_gpu_layers=args.n_gpu_layers,
+            n_threads=args.n_threads,
+        )
+    except (ValueError, OSError) as error:  # a file that is not a usable target/drafter pair
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    from dflash_gguf.tui.app import ChatApp
+
+    with session:
+        ChatApp(session, options).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

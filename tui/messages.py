@@ -1,0 +1,52 @@
+"""Messages the worker thread posts to the app: the only way generation results reach the UI."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+from dflash_gguf.tui.stats import StepLike
+
+
+class StepArrived(Message):
+    """One decoding cycle of reply `turn`, with the perf_counter time the worker received it."""
+
+    def __init__(self, turn: int, step: StepLike, at: float) -> None:
+        super().__init__()
+        self.turn = turn
+        self.step = step
+        self.at = at
+
+
+class ReplyFinished(Message):
+    """Reply `turn` ended: the Session's finish reason, or cancelled by the user."""
+
+    def __init__(self, turn: int, finish_reason: str | None, cancelled: bool) -> None:
+        super().__init__()
+        self.turn = turn
+        self.finish_reason = finish_reason
+        self.cancelled = cancelled
+
+
+class ReplyFailed(Message):
+    """Reply `turn` raised; `error` is the one-line message to show."""
+
+    def __init__(self, turn: int, error: str) -> None:
+        super().__init__()
+        self.turn = turn
+        self.error = error
+
+
+class CalibrationFinished(Message):
+    """The plain-decoding speed measured on this machine."""
+
+    def __init__(self, tokens_per_s: float) -> None:
+        super().__init__()
+        self.tokens_per_s = tokens_per_s
+
+
+class CalibrationFailed(Message):
+    """The plain-decoding measurement could not be made."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
