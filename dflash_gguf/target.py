@@ -18,6 +18,7 @@ from llama_cpp._logger import set_verbose
 
 from . import llama_ext
 from .schema import Keys
+from .target_gguf import fingerprint as gguf_fingerprint
 
 GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
@@ -129,9 +130,19 @@ def meta_str(model: capi.llama_model_p, key: str) -> str | None:
 class Target:
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
-    def __init__(self, model: capi.llama_model_p, ctx: capi.llama_context_p, *, owned: bool = False) -> None:
+    def __init__(
+        self,
+        model: capi.llama_model_p,
+        ctx: capi.llama_context_p,
+        *,
+        owned: bool = False,
+        path: str | os.PathLike[str] | None = None,
+        n_gpu_layers: int = 0,
+    ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
+        self.path: Path | None = Path(path) if path is not None else None
+        self.n_gpu_layers = n_gpu_layers
         self._model = model
         self._ctx = ctx
         self._owned = owned
@@ -147,6 +158,7 @@ class Target:
         self.architecture: str = meta_str(model, Keys.ARCHITECTURE) or ""
         self.recurrent: bool = bool(capi.llama_model_is_recurrent(model) or capi.llama_model_is_hybrid(model))
         self._layers: list[int] = []
+        self._fingerprint: str | None = None
         self._features_ready = False
         self._n_last = 0
         self._out_index = np.full(self.n_batch, -1, dtype=np.int64)
@@ -193,12 +205,14 @@ class Target:
         except BaseException:
             capi.llama_model_free(model)
             raise
-        return cls(model, ctx, owned=True)
+        return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers)
 
     @classmethod
     def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
         """Share an existing llama_cpp.Llama's model and context; closing the Target frees nothing."""
-        return cls(llama.model, llama.ctx, owned=False)
+        return cls(
+            llama.model, llama.ctx, owned=False, path=llama.model_path, n_gpu_layers=llama.model_params.n_gpu_layers
+        )
 
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
     @property
@@ -214,12 +228,22 @@ class Target:
         """Captured layer-input ids, in capture() order."""
         return list(self._layers)
 
+    def fingerprint(self) -> str:
+        """target_gguf's quantisation-independent identity, computed from the vocabulary libllama loaded.
+
+        Same value as read_target_info(path).fingerprint without re-parsing the GGUF (seconds for 49k tokens).
+        """
+        if self._fingerprint is None:
+            tokens = (capi.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab))
+            self._fingerprint = gguf_fingerprint(self.architecture, self.n_embd, self.n_layer, tokens)
+        return self._fingerprint
+
     def meta(self, key: str) -> str | None:
         return meta_str(self._model, key)
 
     # -- layer capture ---------------------------------------------------------------------
-    def capture(self, layers: Sequence[int]) -> None:
-        """Extract these layer inputs (GGUF `dflash.target_layers` ids) on every later decode."""
+    def check_layers(self, layers: Sequence[int]) -> list[int]:
+        """The layer-input ids as ints, or ValueError if libllama cannot capture them on this target."""
         if self.architecture not in LAYER_CAPTURE_ARCHS:
             raise ValueError(
                 f"libllama cannot capture layer inputs of a {self.architecture!r} target "
@@ -232,6 +256,13 @@ class Target:
         bad = [i for i in ids if not 0 <= i <= top]
         if bad:
             raise ValueError(f"layer ids {bad} out of range: this {self.architecture} target exposes layer inputs 0..{top}")
+        return ids
+
+    def capture(self, layers: Sequence[int]) -> None:
+        """Extract these layer inputs (GGUF `dflash.target_layers` ids) on every later decode."""
+        ids = self.check_layers(layers)
+        if ids == self._layers:
+            return
         for lid in set(self._layers) - set(ids):
             llama_ext.set_embeddings_layer_inp(self._ctx, lid, False)
         for lid in ids:

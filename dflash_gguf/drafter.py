@@ -1,0 +1,272 @@
+"""The DFlash drafter, run natively by libllama next to its target.
+
+The `dflash` model borrows the target's token embeddings and LM head through
+`ctx_other`; target features are injected into its KV cache with an embd batch,
+and a block `[last, mask x (B-1)]` is drafted in one non-causal pass
+(upstream: `common_speculative_impl_draft_dflash`, common/speculative.cpp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from llama_cpp import llama_cpp as capi
+
+from . import llama_ext
+from .sampling import SamplingParams, probabilities, sample_token
+from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
+from .target import Target, check_gguf_file, load_model, meta_str, new_context
+
+
+class PairingError(ValueError):
+    """The drafter was not made for this target (or is not a drafter at all)."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens for block slots 1..n and the distribution each was drawn from.
+
+    q is None for greedy drafts; dense (n, V) for DFlash; for DFlash2 sparse: q (n, k)
+    over the candidate ids q_ids (n, k), as acceptance.accept_sampled takes it.
+    """
+
+    tokens: np.ndarray
+    q: np.ndarray | None = None
+    q_ids: np.ndarray | None = None
+
+
+def _meta_float(model: capi.llama_model_p, key: str) -> float:
+    value = meta_str(model, key)
+    return float(value) if value else 0.0
+
+
+def check_pairing(model: capi.llama_model_p, path: Path, target: Target) -> None:
+    """Refuse a drafter that cannot run with `target`, before any drafter context exists.
+
+    Loading a GGUF is safe in libllama; building and running a graph with mismatched shapes is not.
+    """
+    arch = meta_str(model, Keys.ARCHITECTURE)
+    if arch != ARCH:
+        raise PairingError(f"{path}: architecture is {arch!r}, not a {ARCH!r} drafter")
+    n_embd = capi.llama_model_n_embd(model)
+    if n_embd != target.n_embd:
+        raise PairingError(f"{path}: hidden size {n_embd} does not match the target's {target.n_embd}")
+    n_vocab = capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(model))
+    if n_vocab != target.n_vocab:
+        raise PairingError(f"{path}: vocabulary of {n_vocab} tokens does not match the target's {target.n_vocab}")
+    layers = llama_ext.target_layer_ids(model)
+    if not layers:
+        raise PairingError(f"{path}: no {Keys.TARGET_LAYERS} in its metadata")
+    try:
+        target.check_layers(layers)
+    except ValueError as e:
+        raise PairingError(f"{path}: {e}") from None
+    expected = meta_str(model, Keys.TARGET_FINGERPRINT)
+    if expected is None:
+        warnings.warn(f"{path}: no {Keys.TARGET_FINGERPRINT}; converted elsewhere, fingerprint not checked", stacklevel=3)
+    elif expected != target.fingerprint():
+        raise PairingError(
+            f"{path}: made for a target with fingerprint {expected}, but this target's is {target.fingerprint()}"
+        )
+
+
+class Drafter:
+    """One `dflash` drafter model + context tied to a Target's context."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        target: Target,
+        *,
+        n_gpu_layers: int | None = None,
+        n_threads: int | None = None,
+    ) -> None:
+        self.path = check_gguf_file(path)
+        self.target = target
+        self._model = load_model(self.path, n_gpu_layers=target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers)
+        try:
+            check_pairing(self._model, self.path, target)
+            self._setup(n_threads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, n_threads: int | None) -> None:
+        model, target = self._model, self.target
+        self.layers = llama_ext.target_layer_ids(model)
+        self.block_size = int(meta_str(model, Keys.BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+        if self.block_size < 2:
+            raise PairingError(f"{self.path}: block size {self.block_size} leaves no room for a draft")
+        self.causal = meta_str(model, Keys.CAUSAL) == "true"
+        self.selector_top_k = int(llama_ext.model_dflash_selector_top_k(model))
+        self.is_dflash2 = self.selector_top_k > 0
+        self.n_embd = capi.llama_model_n_embd(model)
+        self.n_vocab = target.n_vocab
+        self._logit_scale = _meta_float(model, Keys.LOGIT_SCALE)
+        self._softcap = _meta_float(model, Keys.FINAL_LOGIT_SOFTCAPPING)
+        mask = capi.llama_vocab_mask(capi.llama_model_get_vocab(model))
+        if mask < 0:
+            mask = int(meta_str(model, Keys.MASK_TOKEN_ID) or -1)
+        if not 0 <= mask < self.n_vocab:
+            raise PairingError(f"{self.path}: no usable mask token id (got {mask})")
+        self.mask_token_id = mask
+
+        target.capture(self.layers)
+        threads = capi.llama_n_threads(target.ctx) if n_threads is None else n_threads
+        self._ctx = new_context(
+            model, n_ctx=target.n_ctx_seq, n_batch=target.n_batch, n_threads=threads, ctx_other=target.ctx
+        )
+        self._mem = capi.llama_get_memory(self._ctx)
+        self.n_ctx = capi.llama_n_ctx(self._ctx)
+        self.n_ubatch = capi.llama_n_ubatch(self._ctx)
+        self.n_features = len(self.layers) * target.n_embd
+        capi.llama_set_causal_attn(self._ctx, self.causal)
+        if self.is_dflash2:
+            # the selector lattice comes back through the unmasked nextn rows, one per block token
+            llama_ext.set_embeddings_nextn(self._ctx, True, False)
+        self._batch = capi.llama_batch_ext_init(self._ctx)
+        self._pos = (capi.llama_pos * 4)()
+
+    # -- KV cache injection ----------------------------------------------------------------
+    def inject(self, features: np.ndarray, positions: int) -> None:
+        """Write K/V for target features at positions `positions`.. (an embd batch per n_ubatch chunk)."""
+        feats = np.ascontiguousarray(features, dtype=np.float32)
+        if feats.ndim != 2 or feats.shape[1] != self.n_features:
+            raise ValueError(f"features must have shape (n, {self.n_features}), got {feats.shape}")
+        n = feats.shape[0]
+        if n == 0:
+            return
+        start = int(positions)
+        if start < 0 or start + n > self.n_ctx:
+            raise ValueError(f"positions [{start}, {start + n}) outside the drafter context of {self.n_ctx}")
+        row_bytes = self.n_features * 4
+        base = feats.ctypes.data
+        for off in range(0, n, self.n_ubatch):
+            capi.llama_batch_ext_clear(self._batch)
+            for i in range(off, min(n, off + self.n_ubatch)):
+                embd = capi.llama_embd(ctypes.cast(base + i * row_bytes, ctypes.POINTER(ctypes.c_float)), 1, self.n_features)
+                idx = capi.llama_batch_ext_add_embd(self._batch, 0, embd)
+                if idx < 0:
+                    raise RuntimeError(f"could not add feature row {i} to the drafter batch ({idx})")
+                self._set_pos(idx, start + i)
+            self._process("inject features")
+
+    def _set_pos(self, idx: int, pos: int) -> None:
+        self._pos[0] = self._pos[1] = self._pos[2] = pos
+        capi.llama_batch_ext_set_pos(self._batch, idx, self._pos)
+
+    def _process(self, what: str) -> None:
+        rc = capi.llama_process(self._ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if rc != 0:
+            raise RuntimeError(f"drafter llama_process failed to {what} (code {rc})")
+
+    # -- drafting --------------------------------------------------------------------------
+    def draft(self, last_token: int, pos: int, n_draft: int) -> np.ndarray:
+        """One non-causal pass over [last, mask x n_draft] at positions pos..; the noise K/V is dropped after.
+
+        Returns a view valid until the next drafter call: DFlash -> logits (n_draft, V) of slots 1..n_draft;
+        DFlash2 -> selector lattice rows (n_draft, n_embd) of those slots.
+        """
+        if not 1 <= n_draft < self.block_size:
+            raise ValueError(f"n_draft must be in [1, {self.block_size - 1}] for block size {self.block_size}, got {n_draft}")
+        if not 0 <= last_token < self.n_vocab:
+            raise ValueError(f"token id must be in [0, {self.n_vocab}), got {last_token}")
+        if pos < 0 or pos + n_draft + 1 > self.n_ctx:
+            raise ValueError(f"block [{pos}, {pos + n_draft + 1}) outside the drafter context of {self.n_ctx}")
+        capi.llama_batch_ext_clear(self._batch)
+        for i in range(n_draft + 1):
+            idx = capi.llama_batch_ext_add_token(self._batch, 0, last_token if i == 0 else self.mask_token_id)
+            if idx < 0:
+                raise RuntimeError(f"could not add block slot {i} to the drafter batch ({idx})")
+            self._set_pos(idx, pos + i)
+            capi.llama_batch_ext_set_output_logits(self._batch, idx, not self.is_dflash2)
+        try:
+            self._process("draft a block")
+        finally:
+            capi.llama_memory_seq_rm(self._mem, 0, pos, -1)
+        if self.is_dflash2:
+            ptr = llama_ext.get_embeddings_nextn(self._ctx)
+            if not ptr:
+                raise RuntimeError("DFlash2 selector produced no lattice")
+            return np.ctypeslib.as_array(ptr, shape=(n_draft + 1, self.n_embd))[1:]
+        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(n_draft + 1, self.n_vocab))[1:]
+        return self._output_transforms(logits)
+
+    def _output_transforms(self, logits: np.ndarray) -> np.ndarray:
+        """DFlash1's graph leaves the z-lab output_multiplier and softcap to the reader (dflash.cpp)."""
+        if self._logit_scale:
+            logits = logits * self._logit_scale
+        if self._softcap > 0:
+            logits = np.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def propose(
+        self, last_token: int, pos: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        """Draft n_draft tokens after last_token: argmax when greedy, else sampled with the q it returns."""
+        out = self.draft(last_token, pos, n_draft)
+        if self.is_dflash2:
+            return self._walk_lattice(out, params, rng)
+        if params.greedy:
+            return Proposal(tokens=out.argmax(axis=1))
+        q = probabilities(out, params)
+        return Proposal(tokens=np.array([sample_token(row, rng) for row in q]), q=q)
+
+    def _walk_lattice(self, lattice: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """DFlash2: pick one candidate per slot given the previous pick, as upstream decodes the lattice."""
+        k = self.selector_top_k
+        n = lattice.shape[0]
+        ids = lattice[:, :k].astype(np.int64)
+        tokens = np.empty(n, dtype=np.int64)
+        q = None if params.greedy else np.empty((n, k), dtype=np.float64)
+        prev = 0
+        for i in range(n):
+            scores = lattice[i, k + prev * k : k + (prev + 1) * k].astype(np.float64)
+            if q is None:
+                prev = int(scores.argmax())
+            else:
+                z = scores / params.temperature
+                p = np.exp(z - z.max())
+                q[i] = p / p.sum()
+                prev = sample_token(q[i], rng)
+            tokens[i] = ids[i, prev]
+        return Proposal(tokens=tokens, q=q, q_ids=None if q is None else ids)
+
+    # -- cache management ------------------------------------------------------------------
+    def remove(self, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) from the drafter KV cache."""
+        if not capi.llama_memory_seq_rm(self._mem, 0, p0, p1):
+            raise RuntimeError(f"drafter llama_memory_seq_rm([{p0}, {p1})) failed")
+
+    def pos_max(self) -> int:
+        return int(capi.llama_memory_seq_pos_max(self._mem, 0))
+
+    def clear(self) -> None:
+        capi.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        """Free batch, context and model; safe to call twice. The target stays open."""
+        if getattr(self, "_batch", None):
+            capi.llama_batch_ext_free(self._batch)
+        if getattr(self, "_ctx", None):
+            capi.llama_free(self._ctx)
+        if getattr(self, "_model", None):
+            capi.llama_model_free(self._model)
+        self._batch = self._ctx = self._model = None
+
+    def __enter__(self) -> "Drafter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
