@@ -45,7 +45,9 @@ class Keys:
     VALUE_SCALE = _arch_key("attention.value_scale")
     ROPE_FREQ_BASE = _arch_key("rope.freq_base")
     ROPE_DIMENSION_COUNT = _arch_key("rope.dimension_count")
-    HIDDEN_ACT = _arch_key("hidden_act")
+    ROPE_DIMENSION_SECTIONS = _arch_key("rope.dimension_sections")  # M-RoPE targets
+    HIDDEN_ACT = _arch_key("hidden_activation")
+    VOCAB_SIZE = _arch_key("vocab_size")  # read only when tokenizer.ggml.model is "none"
 
     # optional output/input transforms (z-lab `dflash_config` scale keys)
     EMBEDDING_SCALE = _arch_key("embedding_scale")  # input_embedding_scale
@@ -63,6 +65,7 @@ class Keys:
 
     # tokenizer
     MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
+    TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENIZER_PREFIX = "tokenizer."
 
     # dflash-gguf's own keys: which target this drafter was made for
@@ -113,6 +116,7 @@ HF_TO_GGUF: dict[str, str] = {
     "norm.weight": Tensors.OUTPUT_NORM,
     "d2t": Tensors.D2T,
     "lm_head.weight": Tensors.OUTPUT,
+    "embed_tokens.weight": Tensors.TOKEN_EMBD,
     "layers.{bid}.input_layernorm.weight": Tensors.ATTN_NORM,
     "layers.{bid}.self_attn.q_proj.weight": Tensors.ATTN_Q,
     "layers.{bid}.self_attn.k_proj.weight": Tensors.ATTN_K,

@@ -1,0 +1,322 @@
+"""A z-lab DFlash / DFlash2 checkpoint on disk: its config and its tensors, validated.
+
+Everything that can be wrong with the input is found here, before an output file is
+opened: the config, the architecture, the set of tensors and every tensor's shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.convert.safetensors_reader import CheckpointTensor, read_safetensors_index
+from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
+
+ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+"""config.json `architectures` this converter knows -> checkpoint kind (upstream registers the same two)."""
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")  # what llama.cpp's dflash loader accepts
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The config.json facts the GGUF needs, with z-lab's `dflash_config` overrides applied."""
+
+    kind: str  # "dflash" | "dflash2"
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    target_layer_ids: tuple[int, ...]  # HF: indices of target layer outputs
+    block_size: int
+    mask_token_id: int
+    hparams: dict[str, Any]  # the whole config.json, for the optional keys
+
+
+def draft_value(hparams: dict[str, Any], name: str, default: Any = None) -> Any:
+    """z-lab's lookup order: `dflash_config` first, then the top level (both occur in published checkpoints)."""
+    dflash_config = hparams.get("dflash_config") or {}
+    if name in dflash_config:
+        return dflash_config[name]
+    return hparams.get(name, default)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference model's rule when a config names no target layers (dflash.model.build_target_layer_ids)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _int(hparams: dict[str, Any], name: str, path: Path, *, positive: bool = True) -> int:
+    value = draft_value(hparams, name)
+    if value is None:
+        raise ConversionError(f"{path}: missing {name}")
+    if isinstance(value, bool) or not isinstance(value, int) or (positive and value <= 0) or value < 0:
+        raise ConversionError(f"{path}: {name} must be a {'positive' if positive else 'non-negative'} integer, got {value!r}")
+    return value
+
+
+def read_config(path: Path) -> DraftConfig:
+    """Parse and check config.json; ConversionError names the first problem."""
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing config.json (it must sit beside the safetensors)")
+    try:
+        hparams = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}: invalid config.json ({str(e).splitlines()[0]})") from None
+    if not isinstance(hparams, dict):
+        raise ConversionError(f"{path}: invalid config.json (not a JSON object)")
+    if not isinstance(hparams.get("dflash_config", {}), dict):
+        raise ConversionError(f"{path}: invalid config.json (dflash_config is not an object)")
+
+    archs = hparams.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise ConversionError(f"{path}: config.json names no architectures (expected one of {', '.join(ARCHITECTURES)})")
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ConversionError(
+            f"{path}: unknown architecture {archs[0]!r} (expected one of {', '.join(ARCHITECTURES)})"
+        )
+    arch = known[0]
+    kind = ARCHITECTURES[arch]
+
+    hidden = _int(hparams, "hidden_size", path)
+    num_heads = _int(hparams, "num_attention_heads", path)
+    head_dim = hparams.get("head_dim") or hidden // num_heads
+    num_layers = _int(hparams, "num_hidden_layers", path)
+    eps = draft_value(hparams, "rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise ConversionError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}")
+
+    layer_ids = draft_value(hparams, "target_layer_ids")
+    if layer_ids is None:
+        if draft_value(hparams, "num_target_layers") is None:
+            raise ConversionError(f"{path}: config.json has neither target_layer_ids nor num_target_layers")
+        layer_ids = default_target_layer_ids(_int(hparams, "num_target_layers", path), num_layers)
+    if not isinstance(layer_ids, list) or not layer_ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids
+    ):
+        raise ConversionError(f"{path}: target_layer_ids must be a non-empty list of non-negative integers, got {layer_ids!r}")
+
+    act = hparams.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ConversionError(f"{path}: hidden_act {act!r} is not supported by llama.cpp's dflash (use {', '.join(HIDDEN_ACTS)})")
+
+    if draft_value(hparams, "mask_token_id") is None:
+        raise ConversionError(f"{path}: config.json has no mask_token_id (top level or dflash_config)")
+    vocab = _int(hparams, "vocab_size", path)
+    mask_id = _int(hparams, "mask_token_id", path, positive=False)
+    if mask_id >= vocab:
+        raise ConversionError(f"{path}: mask_token_id {mask_id} is outside the vocabulary of {vocab}")
+
+    if kind == "dflash2":
+        values = {k: _int(hparams, k, path) for k in DFLASH2_KEYS}
+        if hidden % values["conv_group_size"]:
+            raise ConversionError(f"{path}: hidden_size {hidden} is not divisible by conv_group_size {values['conv_group_size']}")
+        top_k = values["selector_top_k"]
+        if hidden < top_k * (top_k + 1):
+            raise ConversionError(f"{path}: hidden_size {hidden} is too small for selector_top_k {top_k}")
+
+    return DraftConfig(
+        kind=kind,
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(hparams, "intermediate_size", path),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=_int(hparams, "num_key_value_heads", path),
+        head_dim=int(head_dim),
+        vocab_size=vocab,
+        rms_norm_eps=float(eps),
+        target_layer_ids=tuple(layer_ids),
+        block_size=_int(hparams, "block_size", path) if draft_value(hparams, "block_size") is not None else DEFAULT_BLOCK_SIZE,
+        mask_token_id=mask_id,
+        hparams=hparams,
+    )
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> required HF (numpy) shape, for the tensors every drafter must have."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv, ff = cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        Tensors.FC: (h, len(cfg.target_layer_ids) * h),
+        Tensors.HIDDEN_NORM: (h,),
+        Tensors.OUTPUT_NORM: (h,),
+    }
+    per_layer = {
+        Tensors.ATTN_NORM: (h,),
+        Tensors.ATTN_Q: (q, h),
+        Tensors.ATTN_K: (kv, h),
+        Tensors.ATTN_V: (kv, h),
+        Tensors.ATTN_OUT: (h, q),
+        Tensors.ATTN_Q_NORM: (hd,),
+        Tensors.ATTN_K_NORM: (hd,),
+        Tensors.FFN_NORM: (h,),
+        Tensors.FFN_GATE: (ff, h),
+        Tensors.FFN_UP: (ff, h),
+        Tensors.FFN_DOWN: (h, ff),
+    }
+    if cfg.kind == "dflash2":
+        kernel = int(draft_value(cfg.hparams, "conv_kernel_size"))
+        groups = h // int(draft_value(cfg.hparams, "conv_group_size"))
+        rank = int(draft_value(cfg.hparams, "selector_rank"))
+        per_layer.update(
+            {
+                Tensors.ATTN_CONV_BASE: (2, kernel, h),
+                Tensors.ATTN_CONV_PROJ: (2 * kernel * groups, h),
+                Tensors.FFN_CONV_BASE: (2, kernel, h),
+                Tensors.FFN_CONV_PROJ: (2 * kernel * groups, h),
+            }
+        )
+        shapes.update(
+            {
+                Tensors.SELECTOR_PREV: (cfg.vocab_size, rank),
+                Tensors.SELECTOR_NEXT: (cfg.vocab_size, rank),
+                Tensors.SELECTOR_HIDDEN: (rank, h),
+            }
+        )
+    for bid in range(cfg.num_layers):
+        shapes.update({name.format(bid=bid): shape for name, shape in per_layer.items()})
+    return shapes
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: its config and GGUF name -> source tensor, in writing order."""
+
+    source: Path  # what the user named (file or directory)
+    config_path: Path
+    config: DraftConfig
+    tensors: dict[str, CheckpointTensor]
+
+    @property
+    def dtypes(self) -> set[str]:
+        return {t.dtype for t in self.tensors.values()}
+
+
+def _weight_files(src: Path) -> tuple[Path, list[Path]]:
+    """(directory holding config.json, safetensors files) for a file, index or directory argument."""
+    if not src.exists():
+        raise ConversionError(f"{src}: no such file or directory")
+    if src.is_dir():
+        index = src / SHARD_INDEX
+        single = src / SINGLE_FILE
+        if index.is_file():
+            return src, _shards(index)
+        if single.is_file():
+            return src, [single]
+        found = sorted(src.glob("*.safetensors"))
+        if found:
+            return src, found
+        pickles = sorted(p for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            _refuse_pickle(pickles[0])
+        raise ConversionError(f"{src}: no safetensors checkpoint in this directory")
+    if src.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(src)
+    if src.name.endswith(".index.json"):
+        return src.parent, _shards(src)
+    if src.suffix != ".safetensors":
+        raise ConversionError(f"{src}: not a safetensors checkpoint (expected .safetensors, an index .json or a directory)")
+    return src.parent, [src]
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise ConversionError(
+        f"{path}: pickle checkpoints are refused (loading them can run arbitrary code); save the model as safetensors"
+    )
+
+
+def _shards(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({str(v) for v in weight_map.values()})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ConversionError(f"{index}: invalid safetensors index ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    paths = [index.parent / f for f in files]
+    for p in paths:
+        if not p.is_file():
+            raise ConversionError(f"{index}: names shard {p.name}, which does not exist")
+    return paths
+
+
+def load_checkpoint(src: str | Path) -> Checkpoint:
+    """Find, parse and fully validate a checkpoint. Reads headers only, never tensor data."""
+    src = Path(src)
+    directory, files = _weight_files(src)
+    config_path = directory / CONFIG_FILE
+    cfg = read_config(config_path)
+
+    found: dict[str, CheckpointTensor] = {}
+    for file in files:
+        for hf_name, tensor in read_safetensors_index(file).items():
+            if HF_IGNORED.search(hf_name):
+                continue
+            name = gguf_tensor_name(hf_name)
+            if name is None:
+                raise ConversionError(f"{file}: unexpected tensor {hf_name} for a {cfg.architecture}")
+            if name in found:
+                raise ConversionError(f"{file}: tensor {hf_name} appears twice")
+            found[name] = tensor
+
+    required = expected_shapes(cfg)
+    for name, shape in required.items():
+        tensor = found.get(name)
+        if tensor is None:
+            where = files[0] if len(files) == 1 else directory
+            raise ConversionError(
+                f"{where}: missing tensor {_hf_name(name, cfg.num_layers)} "
+                f"(config.json describes a {cfg.num_layers}-layer {cfg.architecture})"
+            )
+        if tensor.shape != shape:
+            raise ConversionError(
+                f"{tensor.file}: tensor {tensor.name} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
+            )
+    for name, tensor in found.items():
+        if name not in required and _optional_shape(cfg, name, tensor) is None:
+            raise ConversionError(f"{tensor.file}: unexpected tensor {tensor.name} for this config")
+
+    ordered = {name: found[name] for name in required}
+    ordered.update({name: t for name, t in found.items() if name not in ordered})
+    return Checkpoint(source=src, config_path=config_path, config=cfg, tensors=ordered)
+
+
+def _hf_name(gguf_name: str, num_layers: int) -> str:
+    """The checkpoint name of a GGUF tensor, for messages."""
+    for hf, name in HF_TO_GGUF.items():
+        for bid in range(num_layers) if "{bid}" in name else (0,):
+            if name.format(bid=bid) == gguf_name:
+                return hf.format(bid=bid)
+    return gguf_name
+
+
+def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tuple[int, ...] | None:
+    """The shape an optional tensor (own head, reduced vocab, own embeddings) must have; None if not allowed."""
+    h = cfg.hidden_size
+    if name == Tensors.TOKEN_EMBD:
+        ok = tensor.shape == (cfg.vocab_size, h)
+    elif name == Tensors.OUTPUT:
+        ok = len(tensor.shape) == 2 and tensor.shape[1] == h
+    elif name == Tensors.D2T:
+        ok = len(tensor.shape) == 1
+    else:
+        return None
+    if not ok:
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} has an unexpected shape {list(tensor.shape)}")
+    return tensor.shape

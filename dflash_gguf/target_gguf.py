@@ -1,0 +1,148 @@
+"""What a drafter needs to know about its target, read from the target GGUF's metadata.
+
+The converter validates a drafter against it and copies its tokenizer; the runtime
+compares fingerprints to refuse a drafter made for another model. Only metadata is
+read (gguf.GGUFReader memory-maps the file), so this never calls into libllama.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import gguf
+import numpy as np
+
+from dflash_gguf.schema import Keys
+
+# llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp): their
+# memory cannot be rolled back to an earlier position, which speculative decoding needs.
+RECURRENT_ARCHS = frozenset(
+    {
+        "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7",
+        "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe",
+        "nemotron_h", "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3",
+        "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+    }
+)
+
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+@dataclass(frozen=True)
+class MetadataField:
+    """One GGUF key/value, in the form GGUFWriter.add_key_value takes it."""
+
+    key: str
+    value: Any
+    type: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None = None
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """The target facts a drafter depends on."""
+
+    path: Path
+    architecture: str
+    n_embd: int
+    n_layer: int
+    n_vocab: int
+    fingerprint: str
+    recurrent: bool
+    mrope: bool
+    tokenizer_fields: tuple[MetadataField, ...]
+
+
+def fingerprint(architecture: str, n_embd: int, n_layer: int, tokens: Iterable[bytes | str]) -> str:
+    """Identity of a model that survives requantization: its shape and its vocabulary.
+
+    sha256 over architecture, embedding length, block count and every token; 16 hex chars.
+    """
+    h = hashlib.sha256()
+    for part in (architecture, str(int(n_embd)), str(int(n_layer))):
+        h.update(part.encode("utf-8") + b"\0")
+    for token in tokens:
+        h.update((token.encode("utf-8") if isinstance(token, str) else bytes(token)) + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _field_value(field: gguf.ReaderField) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
+    """A reader field's value with strings kept as raw bytes (tokens need not be valid UTF-8)."""
+    main = field.types[0]
+    if main == gguf.GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]) for i in field.data], main, sub
+        return [v for i in field.data for v in field.parts[i].tolist()], main, sub
+    if main == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[-1]), main, None
+    return field.parts[-1].tolist()[0], main, None
+
+
+def _scalar(fields: dict[str, gguf.ReaderField], key: str, path: Path) -> Any:
+    field = fields.get(key)
+    if field is None or not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
+        raise ValueError(f"{path}: not a model GGUF: no {key}")
+    value, _, _ = _field_value(field)
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """GGUFReader with one clear ValueError for a missing, truncated or non-GGUF file."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable GGUF file ({reason})") from None
+
+
+def read_target_info(path: str | Path) -> TargetInfo:
+    """The target facts of a model GGUF; ValueError with a one-line message on a bad file."""
+    path = Path(path)
+    reader = open_gguf(path)
+    fields = reader.fields
+    arch = _scalar(fields, Keys.ARCHITECTURE, path)
+    n_embd = int(_scalar(fields, f"{arch}.embedding_length", path))
+    n_layer = int(_scalar(fields, f"{arch}.block_count", path))
+    tokens_field = fields.get(TOKENS_KEY)
+    if tokens_field is None:
+        raise ValueError(f"{path}: the target GGUF has no tokenizer ({TOKENS_KEY})")
+    tokens, _, _ = _field_value(tokens_field)
+    sections = fields.get(f"{arch}.rope.dimension_sections")
+    mrope = sections is not None and any(_field_value(sections)[0])
+    tokenizer_fields = tuple(
+        MetadataField(key, *_field_value(field))
+        for key, field in fields.items()
+        if key.startswith(Keys.TOKENIZER_PREFIX) and key != Keys.MASK_TOKEN_ID
+    )
+    return TargetInfo(
+        path=path,
+        architecture=arch,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_vocab=len(tokens),
+        fingerprint=fingerprint(arch, n_embd, n_layer, tokens),
+        recurrent=arch in RECURRENT_ARCHS,
+        mrope=bool(mrope),
+        tokenizer_fields=tokenizer_fields,
+    )
+
+
+def field_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """A metadata value (strings decoded, arrays as lists) or None when absent."""
+    field = reader.fields.get(key)
+    if field is None or not field.types:
+        return None
+    value, main, sub = _field_value(field)
+    if main == gguf.GGUFValueType.STRING:
+        return value.decode("utf-8", errors="replace")
+    if sub == gguf.GGUFValueType.STRING:
+        return [v.decode("utf-8", errors="replace") for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,46 @@
+"""Session fixtures shared by every test module: the embedded target and real converted drafters.
+
+Each reference checkpoint is built and converted once per session (tens of MB each).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpoints import make_reference_checkpoint
+from dflash_gguf.convert import convert_checkpoint
+from dflash_gguf.defaults import embedded_target as _embedded_target
+
+
+@pytest.fixture(scope="session")
+def embedded_target() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped with the package."""
+    return _embedded_target()
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoint(tmp_path_factory) -> Path:
+    """A 1-layer random-weight DFlash checkpoint directory (bf16), built by the reference package."""
+    return make_reference_checkpoint(tmp_path_factory.mktemp("dflash_ckpt"), kind="dflash")
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoint_dflash2(tmp_path_factory) -> Path:
+    """A 1-layer random-weight DFlash2 checkpoint directory (bf16), built by the reference package."""
+    return make_reference_checkpoint(tmp_path_factory.mktemp("dflash2_ckpt"), kind="dflash2")
+
+
+@pytest.fixture(scope="session")
+def dflash_gguf_path(reference_checkpoint, embedded_target, tmp_path_factory) -> Path:
+    """`reference_checkpoint` converted with --target embedded_target (bf16 kept)."""
+    out = tmp_path_factory.mktemp("dflash_gguf") / "drafter.gguf"
+    return convert_checkpoint(reference_checkpoint, out, target=embedded_target, progress=False)
+
+
+@pytest.fixture(scope="session")
+def dflash2_gguf_path(reference_checkpoint_dflash2, embedded_target, tmp_path_factory) -> Path:
+    """`reference_checkpoint_dflash2` converted with --target embedded_target (bf16 kept)."""
+    out = tmp_path_factory.mktemp("dflash2_gguf") / "drafter2.gguf"
+    return convert_checkpoint(reference_checkpoint_dflash2, out, target=embedded_target, progress=False)
