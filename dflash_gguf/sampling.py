@@ -154,7 +154,5 @@ def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
     total = cdf[-1]
     if not np.isfinite(total) or total <= 0 or p.min() < 0:
         raise ValueError("probs must be finite, non-negative and have positive mass")
-    token = int(np.searchsorted(cdf, rng.random() * total, side="right"))
-    if token >= p.size:  # u*total rounded up to total: take the last token that has mass
-        token = int(np.flatnonzero(p)[-1])
-    return token
+    # u in [0, 1) keeps u*total < total; side="right" skips ids whose CDF step is empty (p = 0)
+    return int(np.searchsorted(cdf, rng.random() * total, side="right"))

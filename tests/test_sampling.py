@@ -173,6 +173,23 @@ def test_sample_token_never_returns_a_token_without_mass() -> None:
     assert {sample_token(p, rng) for _ in range(500)} == {0, 7}
 
 
+class FixedUniform:
+    """A randomness source pinned to one draw, to reach the ends of [0, 1) deterministically."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@pytest.mark.parametrize(("u", "expected"), [(0.0, 1), (np.nextafter(1.0, 0.0), 2)])
+def test_sample_token_at_the_ends_of_the_unit_interval(u: float, expected: int) -> None:
+    p = np.array([0.0, 0.3, 0.7, 0.0])
+    assert sample_token(p, FixedUniform(u)) == expected
+    assert sample_token(p * 3.0, FixedUniform(u)) == expected  # unnormalised mass
+
+
 def test_sample_token_is_reproducible() -> None:
     p = np.full(10, 0.1)
     a, b = np.random.default_rng(9), np.random.default_rng(9)
