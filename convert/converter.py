@@ -25,8 +25,8 @@ def check_pair(ckpt: Checkpoint, target: TargetInfo) -> None:
     bad = [i for i in layers if not 1 <= i <= target.n_layer]
     if bad:
         raise ConversionError(
-            f"{where}: the drafter reads target layers {list(cfg.target_layer_ids)} but the target has {target.n_layer} "
-            f"(layer ids must be < {target.n_layer}; {ckpt.config_path})"
+            f"{where}: the drafter reads target layers {list(cfg.target_layer_ids)} but the target has {target.n_layer} layers "
+            f"(target_layer_ids must be < {target.n_layer}; {ckpt.config_path})"
         )
     if cfg.vocab_size != target.n_vocab:
         raise ConversionError(

@@ -1,0 +1,84 @@
+"""`dflash-convert`: the command line. Bad input is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from dflash_gguf.convert.converter import convert_checkpoint
+from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.convert.info import drafter_info, format_info
+from dflash_gguf.convert.writer import OUTTYPES
+
+PROG = "dflash-convert"
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Convert a z-lab DFlash / DFlash2 safetensors checkpoint into a `dflash` GGUF drafter.",
+        epilog="SRC may be model.safetensors (config.json beside it), a model.safetensors.index.json, or the checkpoint directory.",
+    )
+    p.add_argument("src", nargs="?", type=Path, metavar="SRC", help="checkpoint: .safetensors file, shard index or directory")
+    p.add_argument("out", nargs="?", type=Path, metavar="OUT", help="output .gguf")
+    p.add_argument("--target", type=Path, metavar="TARGET.gguf",
+                   help="the target model GGUF: its tokenizer is copied in and the pair is validated")
+    p.add_argument("--outtype", choices=list(OUTTYPES), help="tensor type of the matrices (default: keep the checkpoint's)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--info", type=Path, metavar="FILE.gguf", help="print what a drafter GGUF holds, and exit")
+    return p
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (0 ok, 2 bad input, 1 write failure, 130 interrupted)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.info is not None:
+        if args.src is not None or args.target is not None or args.outtype is not None:
+            parser.error("--info takes only the GGUF to inspect")
+        try:
+            print(format_info(drafter_info(args.info)))
+        except ConversionError as e:
+            return _fail(str(e))
+        return 0
+    if args.src is None or args.out is None:
+        parser.error("SRC and OUT are required (or --info FILE.gguf)")
+    try:
+        out = convert_checkpoint(
+            args.src, args.out, target=args.target, outtype=args.outtype,
+            force=args.force, progress=not args.no_progress,
+        )
+    except ConversionError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return _fail("interrupted; no output written", 130)
+    except OSError as e:
+        return _fail(f"{args.out}: write failed ({e.strerror or e}); no output written", 1)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    if args.target is None:
+        print(
+            f"note: {out} carries no tokenizer: dflash-gguf runs it given its target; for llama-server "
+            f"--spec-type draft-dflash, reconvert with --target TARGET.gguf (the target model's GGUF)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

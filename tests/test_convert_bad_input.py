@@ -1,0 +1,273 @@
+"""Every bad input to dflash-convert: one line on stderr naming the problem and the file, exit 2, no output."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import HIDDEN_SIZE, NUM_TARGET_LAYERS, make_reference_checkpoint
+from dflash_gguf.convert.cli import main
+from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.convert.writer import atomic_output
+
+
+def run_cli(capsys, *args: str | Path) -> tuple[int, str]:
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse usage errors exit, as a console script does
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def assert_bad_input(capsys, out: Path, *args: str | Path, mentions: tuple[str, ...]) -> str:
+    """Exit code 2, exactly one stderr line naming the problem and file, no traceback, nothing written."""
+    code, err = run_cli(capsys, *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for word in mentions:
+        assert word in lines[0], (word, lines[0])
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*")), "a temp file was left behind"
+    return lines[0]
+
+
+@pytest.fixture()
+def ckpt(reference_checkpoint, tmp_path) -> Path:
+    """A private copy of the reference checkpoint to damage."""
+    return Path(shutil.copytree(reference_checkpoint, tmp_path / "ckpt"))
+
+
+@pytest.fixture()
+def out(tmp_path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d / "drafter.gguf"
+
+
+def edit_config(ckpt: Path, **changes) -> None:
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def edit_tensors(ckpt: Path, edit) -> None:
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_target(path: Path, *, n_embd: int = HIDDEN_SIZE, n_layer: int = NUM_TARGET_LAYERS, n_vocab: int = 49152) -> Path:
+    """A metadata-only target GGUF with chosen geometry (read_target_info reads no tensors)."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint32("llama.embedding_length", n_embd)
+    w.add_uint32("llama.block_count", n_layer)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(n_vocab)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return path
+
+
+def test_missing_input_path(capsys, tmp_path, out):
+    assert_bad_input(capsys, out, tmp_path / "nowhere", out, mentions=("nowhere", "no such file"))
+
+
+def test_missing_config_json(capsys, ckpt, out):
+    (ckpt / "config.json").unlink()
+    assert_bad_input(capsys, out, ckpt / "model.safetensors", out, mentions=("config.json", "missing"))
+
+
+def test_invalid_config_json(capsys, ckpt, out):
+    (ckpt / "config.json").write_text("{ not json")
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", "invalid"))
+
+
+def test_config_without_mask_token_id(capsys, ckpt, out):
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["dflash_config"]["mask_token_id"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", "mask_token_id"))
+
+
+def test_unknown_architecture(capsys, ckpt, out):
+    edit_config(ckpt, architectures=["LlamaForCausalLM"])
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", "unknown architecture", "LlamaForCausalLM"))
+
+
+def test_missing_tensor(capsys, ckpt, out):
+    edit_tensors(ckpt, lambda t: t.pop("layers.0.mlp.up_proj.weight"))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "missing tensor layers.0.mlp.up_proj.weight"))
+
+
+def test_mis_shaped_tensor(capsys, ckpt, out):
+    def shrink(t):
+        t["fc.weight"] = t["fc.weight"][:, : 4 * HIDDEN_SIZE].contiguous()
+
+    edit_tensors(ckpt, shrink)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "fc.weight", "shape"))
+
+
+def test_config_with_more_layers_than_the_tensors(capsys, ckpt, out):
+    edit_config(ckpt, num_hidden_layers=2)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("missing tensor layers.1.",))
+
+
+def test_unexpected_tensor(capsys, ckpt, out):
+    edit_tensors(ckpt, lambda t: t.update({"layers.0.extra.weight": torch.zeros(4)}))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "unexpected tensor layers.0.extra.weight"))
+
+
+def test_truncated_safetensors(capsys, ckpt, out):
+    st = ckpt / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    assert_bad_input(capsys, out, st, out, mentions=("model.safetensors", "truncated"))
+
+
+def test_safetensors_with_a_cut_header(capsys, ckpt, out):
+    st = ckpt / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])
+    assert_bad_input(capsys, out, st, out, mentions=("model.safetensors", "corrupt"))
+
+
+def test_safetensors_with_garbage_header(capsys, ckpt, out):
+    st = ckpt / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[8:40] = b"\xff" * 32
+    st.write_bytes(bytes(data))
+    assert_bad_input(capsys, out, st, out, mentions=("model.safetensors", "corrupt"))
+
+
+def test_safetensors_with_inconsistent_offsets(capsys, ckpt, out):
+    st = ckpt / "model.safetensors"
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = "norm.weight"
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end + 2]
+    encoded = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(encoded) == n
+    st.write_bytes(raw[:8] + encoded + raw[8 + n :])
+    assert_bad_input(capsys, out, st, out, mentions=("model.safetensors", "corrupt", name))
+
+
+def test_pickle_checkpoint_is_refused_and_never_unpickled(capsys, tmp_path, out):
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    ckpt = tmp_path / "pickled"
+    ckpt.mkdir()
+    (ckpt / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
+    (ckpt / "config.json").write_text("{}")
+    assert_bad_input(capsys, out, ckpt / "pytorch_model.bin", out, mentions=("pytorch_model.bin", "pickle"))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("pytorch_model.bin", "pickle"))
+    assert not marker.exists()
+
+
+def test_existing_output_without_force(capsys, reference_checkpoint, out):
+    out.write_bytes(b"keep me")
+    code, err = run_cli(capsys, reference_checkpoint, out, "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--force" in err and str(out) in err
+    assert out.read_bytes() == b"keep me"
+    assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_target_that_is_not_a_gguf(capsys, reference_checkpoint, tmp_path, out):
+    target = tmp_path / "target.gguf"
+    target.write_text("not a gguf at all, just text\n")
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("target.gguf", "GGUF"))
+
+
+def test_missing_target(capsys, reference_checkpoint, tmp_path, out):
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", tmp_path / "none.gguf",
+                     mentions=("none.gguf", "no such file"))
+
+
+def test_target_with_another_hidden_size(capsys, reference_checkpoint, tmp_path, out):
+    target = write_target(tmp_path / "wide.gguf", n_embd=1024)
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("wide.gguf", "hidden size", "1024"))
+
+
+def test_target_with_too_few_layers(capsys, reference_checkpoint, tmp_path, out):
+    target = write_target(tmp_path / "shallow.gguf", n_layer=24)
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("shallow.gguf", "layers", "24"))
+
+
+def test_target_with_another_vocabulary_size(capsys, reference_checkpoint, tmp_path, out):
+    target = write_target(tmp_path / "small_vocab.gguf", n_vocab=1000)
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("small_vocab.gguf", "vocabulary", "1000"))
+
+
+def test_checkpoint_reading_layers_the_embedded_target_lacks(capsys, tmp_path, embedded_target, out):
+    ckpt = make_reference_checkpoint(tmp_path / "deep", target_layer_ids=(1, 8, 15, 22, 30))
+    capsys.readouterr()  # save_pretrained's own progress output
+    assert_bad_input(capsys, out, ckpt, out, "--target", embedded_target, mentions=(str(embedded_target), "[1, 8, 15, 22, 30]", "30 layers"))
+
+
+def test_mask_token_outside_the_vocabulary(capsys, ckpt, out):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["dflash_config"]["mask_token_id"] = 49152
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", "mask_token_id 49152"))
+
+
+def test_unknown_outtype_is_a_one_line_usage_error(capsys, reference_checkpoint, out):
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--outtype", "q4_0", mentions=("--outtype", "q4_0"))
+
+
+def test_info_on_a_non_drafter(capsys, embedded_target):
+    code, err = run_cli(capsys, "--info", embedded_target)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "llama" in err and embedded_target.name in err
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path):
+    out = tmp_path / "x.gguf"
+    with pytest.raises(RuntimeError), atomic_output(out, force=False) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_replaced_only_on_success(tmp_path):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"old")
+    with pytest.raises(ConversionError):
+        with atomic_output(out, force=False):
+            pass
+    with pytest.raises(RuntimeError), atomic_output(out, force=True) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("interrupted")
+    assert out.read_bytes() == b"old"
+    with atomic_output(out, force=True) as tmp:
+        tmp.write_bytes(b"new")
+    assert out.read_bytes() == b"new" and list(tmp_path.iterdir()) == [out]
+
+
+def test_real_entry_point_exit_code_and_one_line(ckpt, out):
+    (ckpt / "config.json").unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_gguf.convert", str(ckpt), str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "config.json" in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
