@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from .drafter import Drafter
+    from .target import Target
 
 TimingKind = Literal["draft", "verify", "plain"]
 
@@ -265,3 +270,59 @@ class BlockController:
     def _describe(self, n_draft: int, expected: Sequence[float]) -> str:
         seconds = self._cycle_s(n_draft)
         return f"E={expected[n_draft]:.1f} tok for {seconds * 1e3:.1f} ms = {expected[n_draft] / seconds:.0f} tok/s"
+
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16)
+
+
+def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smoothing: float = 0.2) -> CostModel:
+    """Measure target batches and draft passes on this machine at start-up, in about `budget_s` seconds.
+
+    Target batches of 1..block_size tokens (every row outputs logits, as verification needs) and draft
+    passes of the smallest and the full block (plus a one-row feature injection, as every cycle has) run
+    beyond the cached positions, which are left as they were. After a warm-up, sweeps repeat while the
+    budget lasts (at least one) and the fastest time per size is kept: the one least disturbed by other work.
+    """
+    if budget_s <= 0.0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    block = drafter.block_size
+    p0 = target.pos_max(0) + 1
+    if p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
+        raise ValueError(f"no room to calibrate: {p0} positions cached, context {target.n_ctx_seq}")
+    token = max(0, target.bos_token())
+    sizes = sorted({n for n in CALIBRATION_SIZES if n <= block} | {block})
+    draft_sizes = sorted({2, block})
+
+    def time_verify(n: int) -> float:
+        start = time.perf_counter()
+        target.decode([token] * n, p0, logits=True)
+        seconds = time.perf_counter() - start
+        target.remove(0, p0)
+        return seconds
+
+    def time_draft(n: int) -> float:
+        target.decode([token], p0, logits=False)
+        features = target.features(1)
+        target.remove(0, p0)
+        start = time.perf_counter()
+        drafter.inject(features, p0)
+        drafter.draft(token, p0 + 1, n - 1)
+        seconds = time.perf_counter() - start
+        drafter.remove(p0)
+        return seconds
+
+    measures: list[tuple[Callable[[int], float], dict[int, float], int]] = []
+    verify: dict[int, float] = {}
+    draft: dict[int, float] = {}
+    measures += [(time_verify, verify, n) for n in sizes]
+    measures += [(time_draft, draft, n) for n in draft_sizes]
+    deadline = time.perf_counter() + budget_s
+    time_verify(block)  # warm-up: the first calls allocate graphs and buffers
+    time_draft(block)
+    while True:
+        for fn, table, n in measures:
+            seconds = fn(n)
+            table[n] = min(seconds, table.get(n, math.inf))
+        if time.perf_counter() >= deadline:
+            break
+    return CostModel(verify, draft, smoothing=smoothing)

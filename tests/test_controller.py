@@ -162,3 +162,28 @@ def test_cost_table_interpolates_and_smooths() -> None:
         table.update(2, float("nan"))
     with pytest.raises(ValueError, match="at least one"):
         CostTable({})
+
+
+def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, dflash_gguf_path) -> None:
+    from dflash_gguf.controller import calibrate
+    from dflash_gguf.drafter import Drafter
+    from dflash_gguf.target import Target
+
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as target:
+        with Drafter(dflash_gguf_path, target) as drafter:
+            prompt = target.tokenize("The capital of France is")
+            target.decode(prompt, 0, logits="last")
+            drafter.inject(target.features(len(prompt)), 0)
+            before = target.logits(len(prompt) - 1)
+            model = calibrate(target, drafter, budget_s=0.05)
+            assert target.pos_max(0) == len(prompt) - 1
+            assert drafter.pos_max() == len(prompt) - 1
+            assert sorted(model.target.points()) == [1, 2, 4, 8, 16]
+            assert sorted(model.draft.points()) == [2, drafter.block_size]
+            assert model.verify_s(16) > model.verify_s(1) > 0
+            # the cache still continues the prompt: decoding its last token again gives the same logits
+            target.remove(0, len(prompt) - 1)
+            target.decode(prompt[-1:], len(prompt) - 1, logits=True)
+            assert np.allclose(target.logits(0), before, atol=1e-4)
+            controller = BlockController(drafter.block_size - 1, model)
+            assert controller.choose().expected_tokens_per_s > 0
