@@ -1,4 +1,4 @@
-"""Real DFlash checkpoints for tests, built with z-lab's reference package.
+"""Real DFlash checkpoints for tests, built with z-lab's reference package, and reading conversions back.
 
 `dflash.model.DFlashDraftModel` / `DFlash2DraftModel` with the geometry of the embedded
 target (SmolLM2-135M), random weights from a seed, written by `save_pretrained`.
@@ -6,11 +6,20 @@ target (SmolLM2-135M), random weights from a seed, written by `save_pretrained`.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
+import gguf
+import llama_cpp
+import numpy as np
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3Config
+
+from dflash_gguf.schema import gguf_tensor_name
 
 # SmolLM2-135M-Instruct, the embedded target
 HIDDEN_SIZE = 576
@@ -24,6 +33,8 @@ ROPE_THETA = 100000.0
 NUM_TARGET_LAYERS = 30
 
 TARGET_LAYER_IDS = (1, 8, 15, 22, 27)
+GGUF_LAYERS = [i + 1 for i in TARGET_LAYER_IDS]
+"""`dflash.target_layers` for TARGET_LAYER_IDS: layer inputs, HF ids + 1."""
 BLOCK_SIZE = 16
 MASK_TOKEN_ID = 16
 """`<empty_output>` in SmolLM2's vocabulary: a special token that ordinary text never produces."""
@@ -36,16 +47,17 @@ def reference_config(
     *,
     kind: str = "dflash",
     num_layers: int = 1,
-    target_layer_ids: Sequence[int] = TARGET_LAYER_IDS,
+    target_layer_ids: Sequence[int] | None = TARGET_LAYER_IDS,
     block_size: int = BLOCK_SIZE,
     mask_token_id: int = MASK_TOKEN_ID,
 ) -> Qwen3Config:
-    """A Qwen3Config shaped like z-lab's published drafters, sized for the embedded target."""
-    dflash_config = {
-        "block_size": block_size,
-        "mask_token_id": mask_token_id,
-        "target_layer_ids": list(target_layer_ids),
-    }
+    """A Qwen3Config shaped like z-lab's published drafters, sized for the embedded target.
+
+    `target_layer_ids=None` leaves them out: the reference then derives them from num_target_layers.
+    """
+    dflash_config = {"block_size": block_size, "mask_token_id": mask_token_id}
+    if target_layer_ids is not None:
+        dflash_config["target_layer_ids"] = list(target_layer_ids)
     if kind == "dflash2":
         dflash_config.update(DFLASH2_CONFIG)
     elif kind != "dflash":
@@ -74,7 +86,7 @@ def make_reference_checkpoint(
     kind: str = "dflash",
     num_layers: int = 1,
     seed: int = 0,
-    target_layer_ids: Sequence[int] = TARGET_LAYER_IDS,
+    target_layer_ids: Sequence[int] | None = TARGET_LAYER_IDS,
     block_size: int = BLOCK_SIZE,
     mask_token_id: int = MASK_TOKEN_ID,
     dtype: torch.dtype = torch.bfloat16,
@@ -104,3 +116,75 @@ def make_reference_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+# --- reading conversions back -------------------------------------------------
+
+
+@contextmanager
+def loaded_model(path: Path) -> Iterator[llama_cpp.llama_model_p]:
+    """The GGUF loaded by the bundled libllama (CPU only); fails the test if it does not load."""
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    assert model, f"libllama could not load {path}"
+    try:
+        yield model
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def meta(model, key: str) -> str:
+    """A metadata value as libllama reports it."""
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    assert n >= 0, f"libllama reports no {key}"
+    return buf.value.decode()
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 values, read with the safetensors library (an independent reader)."""
+    values: dict[str, np.ndarray] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            values[gguf_tensor_name(name)] = tensor.to(torch.float32).numpy()
+    return values
+
+
+@functools.lru_cache(maxsize=8)
+def reader(path: Path) -> gguf.GGUFReader:
+    """Parsing a GGUF with a 49k-token vocabulary takes seconds: parse each file once."""
+    return gguf.GGUFReader(path)
+
+
+def gguf_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:
+    """GGUF name -> (stored type, values dequantized with gguf.quants)."""
+    return {
+        t.name: (t.tensor_type, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        for t in reader(path).tensors
+    }
+
+
+def assert_round_trip(ckpt_dir: Path, gguf_path: Path) -> None:
+    """Every checkpoint tensor is in the GGUF, same shape, values equal within the written type's tolerance."""
+    expected = checkpoint_tensors(ckpt_dir)
+    written = gguf_tensors(gguf_path)
+    assert set(written) == set(expected)
+    Q = gguf.GGMLQuantizationType
+    for name, want in expected.items():
+        qtype, got = written[name]
+        assert got.shape == want.shape, name
+        if want.ndim == 1 or not name.endswith(".weight"):
+            assert qtype == Q.F32, name
+        if qtype in (Q.F32, Q.BF16):
+            # reference checkpoints are bf16: f32 and bf16 hold them exactly
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        elif qtype == Q.F16:
+            np.testing.assert_allclose(got, want, rtol=2**-10, atol=2**-24, err_msg=name)
+        else:
+            assert qtype == Q.Q8_0, name
+            # q8_0: per block of 32, half a step of max|x|/127, plus the f16 rounding of the block scale
+            peak = np.abs(want).reshape(-1, 32).max(axis=1, keepdims=True)
+            err = np.abs(got - want).reshape(-1, 32)
+            assert (err <= peak / 127 * 0.5 + peak * 2**-10).all(), name

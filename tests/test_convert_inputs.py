@@ -1,0 +1,162 @@
+"""The input forms and config variants dflash-convert accepts, and what it writes for each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from checkpoints import (
+    GGUF_LAYERS, MASK_TOKEN_ID, VOCAB_SIZE, assert_round_trip, loaded_model, make_reference_checkpoint, meta, reader,
+)
+from dflash_gguf import llama_ext
+from dflash_gguf.convert import convert_checkpoint
+from dflash_gguf.convert.cli import main
+from dflash_gguf.schema import Keys
+from dflash_gguf.target_gguf import field_value
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory) -> Path:
+    """A DFlash2 checkpoint saved in ~4 MB shards with a model.safetensors.index.json."""
+    d = make_reference_checkpoint(tmp_path_factory.mktemp("sharded"), kind="dflash2", seed=3, max_shard_size="4MB")
+    assert (d / "model.safetensors.index.json").is_file()
+    assert len(list(d.glob("model-*.safetensors"))) > 1
+    return d
+
+
+def edited_copy(ckpt: Path, dest: Path, edit) -> Path:
+    shutil.copytree(ckpt, dest)
+    config = json.loads((dest / "config.json").read_text())
+    edit(config)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_sharded_checkpoint_by_directory(sharded_checkpoint, tmp_path):
+    out = convert_checkpoint(sharded_checkpoint, tmp_path / "d.gguf", progress=False)
+    assert_round_trip(sharded_checkpoint, out)
+    with loaded_model(out) as model:
+        assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
+
+
+def test_sharded_checkpoint_by_index_file(sharded_checkpoint, tmp_path):
+    out = convert_checkpoint(sharded_checkpoint / "model.safetensors.index.json", tmp_path / "d.gguf", progress=False)
+    assert_round_trip(sharded_checkpoint, out)
+
+
+def test_single_file_argument(reference_checkpoint, tmp_path):
+    out = convert_checkpoint(reference_checkpoint / "model.safetensors", tmp_path / "d.gguf", progress=False)
+    assert_round_trip(reference_checkpoint, out)
+
+
+def test_block_size_at_the_top_level(reference_checkpoint, tmp_path):
+    def move(config):
+        del config["dflash_config"]["block_size"]
+        config["block_size"] = 8
+
+    ckpt = edited_copy(reference_checkpoint, tmp_path / "ckpt", move)
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    assert field_value(reader(out), Keys.BLOCK_SIZE) == 8
+    with loaded_model(out) as model:
+        assert meta(model, Keys.BLOCK_SIZE) == "8"
+
+
+def test_block_size_defaults_to_upstreams(reference_checkpoint, tmp_path):
+    ckpt = edited_copy(reference_checkpoint, tmp_path / "ckpt", lambda c: c["dflash_config"].pop("block_size"))
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    assert field_value(reader(out), Keys.BLOCK_SIZE) == 16
+
+
+def test_target_layers_derived_from_num_target_layers_as_the_reference_does(tmp_path):
+    from dflash.model import build_target_layer_ids
+
+    ckpt = make_reference_checkpoint(tmp_path / "ckpt", num_layers=2, target_layer_ids=None)
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    expected = [i + 1 for i in build_target_layer_ids(30, 2)]
+    with loaded_model(out) as model:
+        assert llama_ext.target_layer_ids(model) == expected
+
+
+def test_optional_scale_window_and_causal_keys(reference_checkpoint, tmp_path):
+    def add(config):
+        config["dflash_config"].update(
+            output_multiplier=0.5, final_logit_softcapping=30.0, input_embedding_scale=2.0,
+            attention_value_scale=0.25, use_swa=True, swa_window_size=64, causal=True,
+        )
+
+    ckpt = edited_copy(reference_checkpoint, tmp_path / "ckpt", add)
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    r = reader(out)
+    assert field_value(r, Keys.LOGIT_SCALE) == pytest.approx(0.5)
+    assert field_value(r, Keys.FINAL_LOGIT_SOFTCAPPING) == pytest.approx(30.0)
+    assert field_value(r, Keys.EMBEDDING_SCALE) == pytest.approx(2.0)
+    assert field_value(r, Keys.VALUE_SCALE) == pytest.approx(0.25)
+    assert field_value(r, Keys.SLIDING_WINDOW) == 64
+    assert field_value(r, Keys.SLIDING_WINDOW_PATTERN) == [True]
+    assert field_value(r, Keys.CAUSAL) is True
+    with loaded_model(out) as model:
+        assert meta(model, Keys.SLIDING_WINDOW) == "64"
+        assert meta(model, Keys.CAUSAL) == "true"
+
+
+def test_top_level_is_causal_and_absent_optional_keys(reference_checkpoint, tmp_path):
+    ckpt = edited_copy(reference_checkpoint, tmp_path / "ckpt", lambda c: c.update(is_causal=False))
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    r = reader(out)
+    assert field_value(r, Keys.CAUSAL) is False
+    for key in (Keys.LOGIT_SCALE, Keys.FINAL_LOGIT_SOFTCAPPING, Keys.EMBEDDING_SCALE, Keys.SLIDING_WINDOW):
+        assert field_value(r, key) is None, key
+
+
+def test_without_target_the_drafter_loads_and_the_cli_says_what_to_pass(capsys, reference_checkpoint, tmp_path):
+    out = tmp_path / "bare.gguf"
+    assert main([str(reference_checkpoint), str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target TARGET.gguf" in err[0]
+    r = reader(out)
+    assert field_value(r, Keys.TARGET_FINGERPRINT) is None
+    assert field_value(r, Keys.MASK_TOKEN_ID) == MASK_TOKEN_ID
+    with loaded_model(out) as model:
+        assert meta(model, Keys.ARCHITECTURE) == "dflash"
+        assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        # sized for the target's logits, but with no token texts: upstream's llama_vocab_mask()
+        # cannot find the mask token, hence the note; the mask id is in the metadata
+        assert llama_cpp.llama_vocab_n_tokens(vocab) == VOCAB_SIZE
+        assert llama_cpp.llama_vocab_mask(vocab) == -1
+        assert meta(model, Keys.MASK_TOKEN_ID) == str(MASK_TOKEN_ID)
+
+
+def test_with_target_the_pair_passes_upstreams_vocabulary_checks(dflash_gguf_path, embedded_target):
+    # the checks of common_speculative_are_compatible(), plus the mask token upstream's DFlash reads
+    with loaded_model(dflash_gguf_path) as drafter, loaded_model(embedded_target) as target:
+        vd, vt = llama_cpp.llama_model_get_vocab(drafter), llama_cpp.llama_model_get_vocab(target)
+        assert llama_cpp.llama_vocab_type(vd) == llama_cpp.llama_vocab_type(vt)
+        assert llama_cpp.llama_vocab_get_add_bos(vd) == llama_cpp.llama_vocab_get_add_bos(vt)
+        assert llama_cpp.llama_vocab_bos(vd) == llama_cpp.llama_vocab_bos(vt)
+        assert llama_cpp.llama_vocab_eos(vd) == llama_cpp.llama_vocab_eos(vt)
+        n = llama_cpp.llama_vocab_n_tokens(vt)
+        assert llama_cpp.llama_vocab_n_tokens(vd) == n
+        assert all(llama_cpp.llama_vocab_get_text(vd, i) == llama_cpp.llama_vocab_get_text(vt, i) for i in range(n))
+        assert llama_cpp.llama_vocab_mask(vd) == MASK_TOKEN_ID
+
+
+def test_info_prints_what_the_drafter_holds(capsys, dflash2_gguf_path, embedded_target):
+    from dflash_gguf.target_gguf import read_target_info
+
+    assert main(["--info", str(dflash2_gguf_path)]) == 0
+    text = capsys.readouterr().out
+    lines = dict(line.split(":", 1) for line in text.strip().splitlines())
+    lines = {k.strip(): v.strip() for k, v in lines.items()}
+    assert lines["architecture"] == "dflash (dflash2)"
+    assert lines["block size"] == "16"
+    assert lines["target layers"].startswith(str(GGUF_LAYERS))
+    assert lines["mask token id"] == str(MASK_TOKEN_ID)
+    assert "BF16" in lines["tensor types"] and "F32" in lines["tensor types"]
+    assert f"{dflash2_gguf_path.stat().st_size:,} bytes" in lines["size"]
+    assert lines["target fingerprint"].startswith(read_target_info(embedded_target).fingerprint)
+    assert lines["tokenizer"] == f"{VOCAB_SIZE} tokens"
