@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the target model GGUF: its tokenizer is copied in and the pair is validated")
     p.add_argument("--outtype", choices=list(OUTTYPES), help="tensor type of the matrices (default: keep the checkpoint's)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     p.add_argument("--info", type=Path, metavar="FILE.gguf", help="print what a drafter GGUF holds, and exit")
     return p
 
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = convert_checkpoint(
             args.src, args.out, target=args.target, outtype=args.outtype,
-            force=args.force, progress=not args.no_progress,
+            force=args.force, progress=not args.no_progress and sys.stderr.isatty(),
         )
     except ConversionError as e:
         return _fail(str(e))

@@ -183,7 +183,7 @@ def write_drafter_gguf(
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             total = sum(t.nbytes for _, t, _ in plan)
-            with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=None if progress else True) as bar:
+            with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
                 for name, t, qtype in plan:
                     data = gguf.quants.quantize(_prepare(name, t.read(), cfg), qtype)
                     writer.write_tensor_data(data)

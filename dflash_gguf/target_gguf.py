@@ -29,6 +29,7 @@ RECURRENT_ARCHS = frozenset(
 )
 
 TOKENS_KEY = "tokenizer.ggml.tokens"
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,40 @@ def _scalar(fields: dict[str, gguf.ReaderField], key: str, path: Path) -> Any:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """gguf.GGUFReader, 4x faster on big vocabularies: it slices a plain ndarray view of the map.
+
+    Every one of the ~250k header reads of a 49k-token tokenizer otherwise goes through
+    np.memmap's slicing and __array_finalize__ (seconds per file). Overrides the private
+    `_get` of the pinned gguf==0.19.0 with the same semantics.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        data = self.data
+        if type(data) is not np.ndarray:
+            data = self.data = data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        count = int(count)
+        arr = data[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    """GGUFReader with one clear ValueError for a missing, truncated or non-GGUF file."""
+    """A GGUF reader, with one clear ValueError for a missing, truncated or non-GGUF file."""
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     try:
-        return gguf.GGUFReader(path)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+    try:
+        return FastGGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError, UnicodeDecodeError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: not a readable GGUF file ({reason})") from None
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({reason})") from None
 
 
 def read_target_info(path: str | Path) -> TargetInfo:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash_gguf.schema import gguf_tensor_name
+from dflash_gguf.target_gguf import FastGGUFReader
 
 # SmolLM2-135M-Instruct, the embedded target
 HIDDEN_SIZE = 576
@@ -154,8 +155,8 @@ def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=8)
 def reader(path: Path) -> gguf.GGUFReader:
-    """Parsing a GGUF with a 49k-token vocabulary takes seconds: parse each file once."""
-    return gguf.GGUFReader(path)
+    """Parse each file once; FastGGUFReader is checked against gguf.GGUFReader in test_target_gguf."""
+    return FastGGUFReader(path)
 
 
 def gguf_tensors(path: Path) -> dict[str, tuple[gguf.GGMLQuantizationType, np.ndarray]]:

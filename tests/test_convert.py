@@ -84,3 +84,14 @@ def test_outtypes_round_trip_and_load(reference_checkpoint_dflash2, tmp_path, ou
     assert written["blk.0.attn_conv_base"][0] == gguf.GGMLQuantizationType.F32
     with loaded_model(out) as model:
         assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
+
+
+def test_progress_bar_reports_the_whole_conversion(capsys, reference_checkpoint, tmp_path):
+    convert_checkpoint(reference_checkpoint, tmp_path / "bar.gguf", progress=True)
+    err = capsys.readouterr().err
+    assert "bar.gguf" in err and "100%" in err
+
+
+def test_no_progress_is_silent(capsys, reference_checkpoint, tmp_path):
+    convert_checkpoint(reference_checkpoint, tmp_path / "quiet.gguf", progress=False)
+    assert capsys.readouterr().err == ""

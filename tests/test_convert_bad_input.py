@@ -70,11 +70,13 @@ def edit_tensors(ckpt: Path, edit) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def write_target(path: Path, *, n_embd: int = HIDDEN_SIZE, n_layer: int = NUM_TARGET_LAYERS, n_vocab: int = 49152) -> Path:
+def write_target(
+    path: Path, *, arch: str = "llama", n_embd: int = HIDDEN_SIZE, n_layer: int = NUM_TARGET_LAYERS, n_vocab: int = 49152
+) -> Path:
     """A metadata-only target GGUF with chosen geometry (read_target_info reads no tensors)."""
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_uint32("llama.embedding_length", n_embd)
-    w.add_uint32("llama.block_count", n_layer)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.embedding_length", n_embd)
+    w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(n_vocab)])
     w.write_header_to_file()
@@ -215,6 +217,11 @@ def test_target_with_too_few_layers(capsys, reference_checkpoint, tmp_path, out)
 def test_target_with_another_vocabulary_size(capsys, reference_checkpoint, tmp_path, out):
     target = write_target(tmp_path / "small_vocab.gguf", n_vocab=1000)
     assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("small_vocab.gguf", "vocabulary", "1000"))
+
+
+def test_recurrent_target(capsys, reference_checkpoint, tmp_path, out):
+    target = write_target(tmp_path / "mamba.gguf", arch="mamba")
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", target, mentions=("mamba.gguf", "recurrent"))
 
 
 def test_checkpoint_reading_layers_the_embedded_target_lacks(capsys, tmp_path, embedded_target, out):
