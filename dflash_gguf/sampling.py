@@ -14,7 +14,7 @@ import numpy as np
 
 # Nucleus search starts from this many candidates and widens 4x until the kept mass reaches top_p:
 # typical nuclei are far smaller than the vocabulary, so a full sort of V logits is rarely needed.
-_NUCLEUS_FIRST_CANDIDATES = 256
+_NUCLEUS_FIRST_CANDIDATES = 1024
 
 
 def _is_real(value: object) -> bool:
@@ -64,10 +64,18 @@ class SamplingParams:
         return np.random.default_rng(None if self.seed is None else int(self.seed))
 
 
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of float64 scores; subtracting the row max keeps exp() from overflowing."""
-    shifted = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
+def _softmax_(scores: np.ndarray, temperature: float) -> np.ndarray:
+    """Row-wise softmax of scores / temperature, in place on a float64 array.
+
+    Subtracting the row max first keeps exp() from overflowing; dividing after it keeps a
+    vanishing temperature from turning the max into 0 * inf.
+    """
+    scores -= scores.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):  # a gap over a vanishing temperature is -inf: probability 0
+        scores /= temperature
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
 
 
 def _nucleus_mask(sorted_probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -91,7 +99,7 @@ def _apply_top_p_full(probs: np.ndarray, top_p: float) -> np.ndarray:
     m = min(vocab, _NUCLEUS_FIRST_CANDIDATES)
     while True:
         if m < vocab:
-            candidates = np.argpartition(-probs, m - 1, axis=-1)[:, :m]
+            candidates = np.argpartition(probs, vocab - m, axis=-1)[:, vocab - m :]
         else:
             candidates = np.broadcast_to(np.arange(vocab), (rows, vocab))
         mass = np.take_along_axis(probs, candidates, axis=-1)
@@ -123,23 +131,26 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
         raise ValueError(f"logits must be real numbers, got dtype {x.dtype}")
     vocab = x.shape[-1]
-    scores = x.reshape(-1, vocab).astype(np.float64) / float(params.temperature)
-    if np.isnan(scores).any() or np.isposinf(scores).any():
+    rows = x.reshape(-1, vocab)
+    row_max = rows.max(axis=-1)  # NaN propagates through max, so one pass checks every logit
+    if np.isnan(row_max).any() or np.isposinf(row_max).any():
         raise ValueError("logits contain NaN or +inf")
-    if np.isneginf(scores.max(axis=-1)).any():
+    if np.isneginf(row_max).any():
         raise ValueError("every logit of a row is -inf: no token can be sampled")
 
+    temperature = float(params.temperature)
     top_k = int(params.top_k)
     top_p = float(params.top_p)
     if 0 < top_k < vocab:
-        ids = np.argpartition(scores, vocab - top_k, axis=-1)[:, vocab - top_k :]
-        probs = _softmax(np.take_along_axis(scores, ids, axis=-1))
+        # temperature > 0 preserves the order, so the k largest logits are the k largest scores
+        ids = np.argpartition(rows, vocab - top_k, axis=-1)[:, vocab - top_k :]
+        probs = _softmax_(np.take_along_axis(rows, ids, axis=-1).astype(np.float64), temperature)
         if top_p < 1.0:
             probs = _apply_top_p_small(probs, top_p)
-        out = np.zeros_like(scores)
+        out = np.zeros(rows.shape, dtype=np.float64)
         np.put_along_axis(out, ids, probs, axis=-1)
     else:
-        out = _softmax(scores)
+        out = _softmax_(rows.astype(np.float64), temperature)
         if top_p < 1.0:
             out = _apply_top_p_full(out, top_p)
     return out.reshape(x.shape)

@@ -100,6 +100,12 @@ def test_banned_tokens_and_batch_shape() -> None:
     np.testing.assert_allclose(probs, [[[0, 0.5, 0.5]], [[0.5, 0, 0.5]]])
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300])
+def test_vanishing_temperature_concentrates_on_the_argmax(temperature: float) -> None:
+    probs = probabilities(np.array([0.5, 2.0, -np.inf, 1.9]), SamplingParams(temperature=temperature))
+    np.testing.assert_array_equal(probs, [0.0, 1.0, 0.0, 0.0])
+
+
 def test_large_logits_do_not_overflow() -> None:
     probs = probabilities(np.array([1e4, 1e4 - math.log(3.0)]), SamplingParams(temperature=1.0))
     np.testing.assert_allclose(probs, [0.75, 0.25])
