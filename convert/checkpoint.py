@@ -307,16 +307,15 @@ def _hf_name(gguf_name: str, num_layers: int) -> str:
 
 
 def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tuple[int, ...] | None:
-    """The shape an optional tensor (own head, reduced vocab, own embeddings) must have; None if not allowed."""
-    h = cfg.hidden_size
-    if name == Tensors.TOKEN_EMBD:
-        ok = tensor.shape == (cfg.vocab_size, h)
-    elif name == Tensors.OUTPUT:
-        ok = len(tensor.shape) == 2 and tensor.shape[1] == h
-    elif name == Tensors.D2T:
-        ok = len(tensor.shape) == 1
-    else:
+    """The shape an optional tensor (own embeddings, own full-vocabulary head) must have; None if not allowed."""
+    if name == Tensors.D2T:
+        raise ConversionError(
+            f"{tensor.file}: reduced-vocabulary drafters (tensor {tensor.name}) are not supported; "
+            f"DFlash drafters share the target's vocabulary"
+        )
+    if name not in (Tensors.TOKEN_EMBD, Tensors.OUTPUT):
         return None
-    if not ok:
-        raise ConversionError(f"{tensor.file}: tensor {tensor.name} has an unexpected shape {list(tensor.shape)}")
-    return tensor.shape
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    if tensor.shape != shape:
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} has shape {list(tensor.shape)}, config.json implies {list(shape)}")
+    return shape

@@ -135,6 +135,11 @@ def test_unexpected_tensor(capsys, ckpt, out):
     assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "unexpected tensor layers.0.extra.weight"))
 
 
+def test_reduced_vocabulary_drafter_is_refused(capsys, ckpt, out):
+    edit_tensors(ckpt, lambda t: t.update({"d2t": torch.zeros(1000, dtype=torch.int64)}))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "d2t", "not supported"))
+
+
 def test_truncated_safetensors(capsys, ckpt, out):
     st = ckpt / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])

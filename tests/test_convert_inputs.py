@@ -6,17 +6,22 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import llama_cpp
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from checkpoints import (
-    GGUF_LAYERS, MASK_TOKEN_ID, VOCAB_SIZE, assert_round_trip, loaded_model, make_reference_checkpoint, meta, reader,
+    GGUF_LAYERS, HEAD_DIM, HIDDEN_SIZE, MASK_TOKEN_ID, VOCAB_SIZE, assert_round_trip, checkpoint_tensors,
+    gguf_tensors, loaded_model, make_reference_checkpoint, meta, reader,
 )
 from dflash_gguf import llama_ext
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.convert.cli import main
 from dflash_gguf.schema import Keys
-from dflash_gguf.target_gguf import field_value
+from dflash_gguf.target_gguf import field_value, read_target_info
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +151,6 @@ def test_with_target_the_pair_passes_upstreams_vocabulary_checks(dflash_gguf_pat
 
 
 def test_info_prints_what_the_drafter_holds(capsys, dflash2_gguf_path, embedded_target):
-    from dflash_gguf.target_gguf import read_target_info
-
     assert main(["--info", str(dflash2_gguf_path)]) == 0
     text = capsys.readouterr().out
     lines = dict(line.split(":", 1) for line in text.strip().splitlines())
@@ -160,3 +163,46 @@ def test_info_prints_what_the_drafter_holds(capsys, dflash2_gguf_path, embedded_
     assert f"{dflash2_gguf_path.stat().st_size:,} bytes" in lines["size"]
     assert lines["target fingerprint"].startswith(read_target_info(embedded_target).fingerprint)
     assert lines["tokenizer"] == f"{VOCAB_SIZE} tokens"
+
+
+def test_interleaved_rope_checkpoints_are_permuted_to_neox_order(reference_checkpoint, tmp_path):
+    ckpt = edited_copy(reference_checkpoint, tmp_path / "ckpt", lambda c: c.update(rope_is_neox_style=False))
+    out = convert_checkpoint(ckpt, tmp_path / "d.gguf", progress=False)
+    source = checkpoint_tensors(reference_checkpoint)
+    written = gguf_tensors(out)
+    # per head: even rotary dims first, then odd ones
+    order = np.concatenate([np.arange(0, HEAD_DIM, 2), np.arange(1, HEAD_DIM, 2)])
+    q = source["blk.0.attn_q.weight"].reshape(-1, HEAD_DIM, HIDDEN_SIZE)
+    np.testing.assert_array_equal(written["blk.0.attn_q.weight"][1].reshape(q.shape), q[:, order])
+    np.testing.assert_array_equal(written["blk.0.attn_k_norm.weight"][1], source["blk.0.attn_k_norm.weight"][order])
+    np.testing.assert_array_equal(written["blk.0.attn_v.weight"][1], source["blk.0.attn_v.weight"])
+
+
+def test_mrope_target_gets_degenerate_rope_sections(reference_checkpoint, embedded_target, tmp_path):
+    # the embedded target's geometry and tokenizer, re-labelled as an M-RoPE model (sections as Qwen2-VL writes them)
+    target = tmp_path / "mrope_target.gguf"
+    w = gguf.GGUFWriter(target, "qwen2vl")
+    w.add_uint32("qwen2vl.embedding_length", 576)
+    w.add_uint32("qwen2vl.block_count", 30)
+    w.add_array("qwen2vl.rope.dimension_sections", [16, 24, 24, 0])
+    for field in read_target_info(embedded_target).tokenizer_fields:
+        w.add_key_value(field.key, field.value, field.type, field.sub_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    out = convert_checkpoint(reference_checkpoint, tmp_path / "d.gguf", target=target, progress=False)
+    assert field_value(reader(out), Keys.ROPE_DIMENSION_SECTIONS) == [HEAD_DIM // 2, 0, 0, 0]
+    with loaded_model(out) as model:
+        assert meta(model, Keys.ARCHITECTURE) == "dflash"
+
+
+def test_own_full_vocabulary_head_is_kept(reference_checkpoint, tmp_path):
+    dest = Path(shutil.copytree(reference_checkpoint, tmp_path / "ckpt"))
+    tensors = load_file(dest / "model.safetensors")
+    tensors["lm_head.weight"] = (torch.randn(VOCAB_SIZE, HIDDEN_SIZE, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    out = convert_checkpoint(dest, tmp_path / "d.gguf", progress=False)
+    assert_round_trip(dest, out)
+    with loaded_model(out) as model:
+        assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
