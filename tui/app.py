@@ -27,10 +27,10 @@ from dflash_gguf.tui.messages import (
     StepArrived,
 )
 from dflash_gguf.tui.options import ChatOptions
-from dflash_gguf.tui.stats import ReplyStats, step_pieces
+from dflash_gguf.tui.provenance import Piece, ProvenanceSplitter
+from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.widgets import (
     AssistantMessage,
-    Piece,
     PromptInput,
     StatsPanel,
     TokenChunk,
@@ -50,9 +50,12 @@ class Reply:
     turn: int
     widget: AssistantMessage
     speculative: bool
+    splitter: ProvenanceSplitter
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: ReplyStats = field(default_factory=ReplyStats)
     parts: list[str] = field(default_factory=list)
+    # why the Session stopped, when it says so in a closing Step that decoded nothing (context full)
+    closing_note: str = ""
     pending: list[Piece] = field(default_factory=list)
 
     @property
@@ -82,6 +85,7 @@ class ChatApp(App[None]):
     def __init__(self, session: ChatSession, options: ChatOptions | None = None) -> None:
         super().__init__()
         self.options = options or ChatOptions()
+        self.session = session
         self.worker = SessionWorker(session, self.post_message)
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
@@ -152,7 +156,7 @@ class ChatApp(App[None]):
         widget = AssistantMessage(role)
         if not speculative:
             widget.add_class("-compare")
-        self.reply = Reply(self._turns, widget, speculative)
+        self.reply = Reply(self._turns, widget, speculative, ProvenanceSplitter(self.session.token_bytes))
         self.transcript.mount(widget)
         self.busy = True
         self.stats_panel.show(self.reply.stats, self.plain_tokens_per_s, self.plain_note)
@@ -175,9 +179,12 @@ class ChatApp(App[None]):
         reply = self._current(message.turn)
         if reply is None:
             return
-        reply.stats.observe(message.step, message.at)
-        reply.parts.append(message.step.text)
-        reply.pending.extend(step_pieces(message.step))
+        step = message.step
+        reply.stats.observe(step, message.at)
+        if step.finish_reason is not None and not step.tokens and step.n_drafted == 0:
+            reply.closing_note = step.reason
+        reply.parts.append(step.text)
+        reply.pending.extend(reply.splitter.split(step))
 
     def _flush(self) -> None:
         reply = self.reply
@@ -197,6 +204,9 @@ class ChatApp(App[None]):
             status = f"cancelled after {reply.stats.tokens} tokens"
         else:
             status = f"{reply.stats.tokens} tokens · finished: {message.finish_reason}"
+            if reply.closing_note:
+                status += f" ({reply.closing_note})"
+                self.notify(f"{reply.closing_note} — Ctrl+N starts a new chat", severity="warning")
         reply.widget.finish(text, status)
         if reply.speculative:
             # a cancelled reply is kept, partial as it is, so the next turn continues from it

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
-from dflash_gguf.tui.stats import ReplyStats, StepLike
+from dflash_gguf.tui.provenance import StepLike
+from dflash_gguf.tui.stats import ReplyStats
 
 # a prompt a small instruct model continues at length, so the run is not cut short by an end token
 CALIBRATION_PROMPT = "Count from 1 to 200, separated by commas: 1, 2, 3,"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from dflash_gguf.tui.stats import StepLike
+from dflash_gguf.tui.provenance import StepLike
 
 
 class StepArrived(Message):

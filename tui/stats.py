@@ -1,49 +1,24 @@
 """Running statistics of one reply, folded in cycle by cycle from the Session's Step events.
 
 The panel redraws from this while tokens stream, so every figure here is cheap to read at any moment.
-Speeds are wall-clock, measured in the worker thread as each Step arrives, and exclude the first cycle
-(it carries the prompt's prefill), so a speculative and a plain run are measured the same way.
+Speeds are wall-clock, measured in the worker thread as each Step arrives, and exclude the first Step
+(the prompt's prefill), so a speculative and a plain run are measured the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Protocol, Sequence
 
-
-class Provenance(Enum):
-    """Where a committed token came from."""
-
-    DRAFT = "draft"  # proposed by the drafter and accepted by the target
-    BONUS = "bonus"  # the target's own next token at the end of a verified block
-    PLAIN = "plain"  # decoded by the target alone (no draft that cycle)
-
-
-class StepLike(Protocol):
-    """The fields of a Session Step the UI reads."""
-
-    tokens: Sequence[int]
-    n_drafted: int
-    n_accepted: int
-    block_size: int
-    reason: str
-
-
-def token_provenance(step: StepLike) -> list[Provenance]:
-    """One Provenance per committed token of a cycle: the accepted drafts, then the target's bonus.
-
-    A cycle without drafts is plain decoding. A cycle cut short (a stop string, max_tokens) may commit
-    fewer tokens than n_accepted + 1, so the list follows step.tokens.
-    """
-    if step.n_drafted == 0:
-        return [Provenance.PLAIN] * len(step.tokens)
-    return [Provenance.DRAFT if i < step.n_accepted else Provenance.BONUS for i in range(len(step.tokens))]
+from dflash_gguf.tui.provenance import StepLike
 
 
 @dataclass
 class ReplyStats:
-    """Counters of one reply; `observe` takes each Step with the perf_counter time it arrived."""
+    """Counters of one reply; `observe` takes each Step with the perf_counter time it arrived.
+
+    The first Step of a reply is the token sampled from the prefill: it counts as a token but not as a
+    decoding cycle, and timing starts when it arrives.
+    """
 
     cycles: int = 0
     tokens: int = 0
@@ -60,15 +35,17 @@ class ReplyStats:
     _tokens_after_first: int = 0
 
     def observe(self, step: StepLike, at: float) -> None:
-        """Fold one cycle in."""
+        """Fold one Step in."""
         n_tokens = len(step.tokens)
+        self.tokens += n_tokens
+        self._last_at = at
         if self._first_at is None:
             self._first_at = at
-        else:
-            self._tokens_after_first += n_tokens
-        self._last_at = at
+            return
+        self._tokens_after_first += n_tokens
+        if n_tokens == 0 and step.n_drafted == 0:  # a closing Step that decoded nothing (context full)
+            return
         self.cycles += 1
-        self.tokens += n_tokens
         self.drafted += step.n_drafted
         self.accepted += step.n_accepted
         self.accepted_per_cycle.append(step.n_accepted)
@@ -84,26 +61,22 @@ class ReplyStats:
 
     @property
     def timed_tokens(self) -> int:
-        """Tokens the speed is computed over (all but the first cycle's)."""
+        """Tokens the speed is computed over (all but the prefill Step's)."""
         return self._tokens_after_first
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Decode speed after the first cycle; None until two cycles have arrived."""
+        """Decode speed after the prefill; None until a decoding cycle has arrived."""
         if self._first_at is None or self._last_at is None or self._last_at <= self._first_at:
             return None
         return self._tokens_after_first / (self._last_at - self._first_at)
 
     @property
     def tau(self) -> float | None:
-        """Mean tokens committed per cycle (the acceptance length)."""
-        return self.tokens / self.cycles if self.cycles else None
+        """Mean tokens committed per decoding cycle (the acceptance length)."""
+        return self._tokens_after_first / self.cycles if self.cycles else None
 
     def slot_rates(self) -> list[float]:
         """How often each block slot's draft token was accepted, among cycles that drafted it."""
         return [a / o for a, o in zip(self.slot_accepted, self.slot_offered)]
 
-
-def step_pieces(step: StepLike) -> list[tuple[str, Provenance]]:
-    """The cycle's text split per committed token, each with its provenance."""
-    return list(zip(step.pieces, token_provenance(step)))

@@ -15,9 +15,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Static
 
-from dflash_gguf.tui.stats import Provenance, ReplyStats
-
-Piece = tuple[str, Provenance]
+from dflash_gguf.tui.provenance import Piece, Provenance
+from dflash_gguf.tui.stats import ReplyStats
 
 # a streamed reply is split into chunk widgets at a newline once a chunk holds this many characters,
 # so each repaint re-renders one bounded chunk and a long reply costs linear, not quadratic, time
@@ -48,6 +47,10 @@ class TokenChunk(Widget):
         self._pieces.extend(pieces)
         self.length += sum(len(text) for text, _ in pieces)
         self.refresh(layout=True)
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        return tuple(self._pieces)
 
     @property
     def text(self) -> str:

@@ -29,6 +29,8 @@ class ChatSession(Protocol):
 
     def stream_chat(self, messages: Sequence[dict[str, str]], **gen: Any) -> Any: ...
 
+    def token_bytes(self, token: int) -> bytes: ...
+
 
 def one_line(error: BaseException) -> str:
     """An exception as the single line the UI shows."""

@@ -1,0 +1,342 @@
+"""dflash-chat driven through Textual's Pilot with the real Session on the embedded target.
+
+Each test types into the real app, waits for the real reply, and asserts on what the widgets show.
+Greedy decoding with a fixed block size keeps replies and the snapshot reproducible; every timing figure
+is masked in snapshots (hide_timing), never in the Pilot tests, which check the figures are real numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Awaitable, Callable
+
+import pytest
+from rich.style import Style
+from textual.pilot import Pilot
+from textual.widgets import Collapsible, Markdown, Sparkline, Static
+
+from dflash_gguf.session import Session
+from dflash_gguf.tui.app import ChatApp
+from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.tui.stats import Provenance
+from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
+
+SIZE = (110, 36)
+# the machine is shared; a reply is a few dozen target decodes
+WAIT_S = 120.0
+# a prompt the embedded SmolLM2 answers at length, so a reply is still running when the test cancels it
+LONG_PROMPT = "Count from 1 to 100, separated by commas."
+SHORT_PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def session(dflash_gguf_path):
+    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=2) as s:
+        yield s
+
+
+def options(max_tokens: int = 24, *, block_size: int | None = 4, hide_timing: bool = False, calibrate: bool = False) -> ChatOptions:
+    generation = GenerationOptions(max_tokens=max_tokens, temperature=0.0, block_size=block_size)
+    return ChatOptions(generation=generation, hide_timing=hide_timing, calibrate_on_start=calibrate)
+
+
+def run_app(app: ChatApp, scenario: Callable[[Pilot], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await scenario(pilot)
+
+    asyncio.run(main())
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.01)
+    await pilot.pause()
+
+
+async def send(pilot: Pilot, prompt: str) -> None:
+    pilot.app.query_one("#prompt").focus()
+    await pilot.press(*prompt)
+    await pilot.press("enter")
+
+
+async def send_and_wait(pilot: Pilot, prompt: str) -> None:
+    app: ChatApp = pilot.app  # type: ignore[assignment]
+    await send(pilot, prompt)
+    await wait_for(pilot, lambda: app.busy, "the reply to start")
+    await wait_for(pilot, lambda: not app.busy, "the reply to finish")
+
+
+def replies(app: ChatApp) -> list[AssistantMessage]:
+    return list(app.query(AssistantMessage))
+
+
+def shown_markdown(message: AssistantMessage) -> str:
+    return message.query_one(Markdown).source
+
+
+def figures(app: ChatApp) -> dict[str, str]:
+    """The stats panel rows as displayed: name -> value."""
+    text = str(app.query_one("#figures", Static).content)
+    return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
+
+
+def number(text: str) -> float:
+    match = re.match(r"[-+]?\d+(\.\d+)?", text)
+    assert match, f"not a figure: {text!r}"
+    return float(match.group())
+
+
+def rendered_styles(chunk: TokenChunk) -> dict[str, Style]:
+    """The style each committed piece of text is drawn with."""
+    text = chunk.render()
+    return {text.plain[span.start : span.end]: span.style for span in text.spans}  # type: ignore[misc]
+
+
+def test_reply_streams_into_the_transcript_with_live_stats(session) -> None:
+    app = ChatApp(session, options(max_tokens=24))
+    seen_while_streaming: dict[str, object] = {}
+
+    async def scenario(pilot: Pilot) -> None:
+        await send(pilot, SHORT_PROMPT)
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.widget.tokens.text != "", "streamed text")
+        if app.busy:  # the reply is still running: the panel and the tokens are already live
+            seen_while_streaming["text"] = app.reply.widget.tokens.text
+            seen_while_streaming["cycles"] = figures(app)["cycles"]
+        await wait_for(pilot, lambda: not app.busy, "the reply to finish")
+
+        [user] = app.query(UserMessage)
+        assert user.text == SHORT_PROMPT
+        [reply] = replies(app)
+        text = shown_markdown(reply)
+        assert text.strip(), "the finished reply renders as Markdown"
+        assert reply.tokens.text == text, "the token view holds exactly the reply"
+        assert app.history == [
+            {"role": "user", "content": SHORT_PROMPT},
+            {"role": "assistant", "content": text},
+        ]
+        shown = figures(app)
+        assert number(shown["cycles"]) >= 1
+        assert number(shown["drafted"]) >= 3  # block 4: three drafts per cycle
+        assert number(shown["τ"]) >= 1.0
+        assert number(shown["decode"]) > 0
+        assert shown["block"] == "4"
+        panel = app.query_one(StatsPanel)
+        assert len(panel.query_one(AcceptanceHistogram).rates) == 3
+        assert len(panel.query_one(Sparkline).data) == number(shown["cycles"])
+        assert "tokens · finished:" in str(reply.query_one(".status", Static).content)
+
+    run_app(app, scenario)
+    assert seen_while_streaming.get("text", "x") != ""
+
+
+def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> None:
+    app = ChatApp(session, options(max_tokens=16))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, SHORT_PROMPT)
+        [reply] = replies(app)
+        chunk = reply.query_one(TokenChunk)
+        bonus = chunk.get_component_rich_style("token--bonus")
+        plain = chunk.get_component_rich_style("token--plain")
+        assert bonus != plain
+        # block 4: every cycle ends with the target's bonus token, drawn in the bonus style
+        styles = rendered_styles(chunk)
+        assert bonus in styles.values()
+        kinds = {provenance for _, provenance in chunk.pieces}
+        assert Provenance.BONUS in kinds
+
+        await pilot.press("ctrl+t")
+        styles = set(rendered_styles(chunk).values())
+        assert len({s.color for s in styles}) == 1, "colouring off: every token in one colour"
+        # a finished reply's token view exists only to show provenance: hidden with the colours
+        assert reply.query_one(Collapsible).styles.display == "none"
+        await pilot.press("ctrl+t")
+        assert bonus in rendered_styles(chunk).values()
+        assert reply.query_one(Collapsible).styles.display == "block"
+
+    run_app(app, scenario)
+
+
+def test_escape_cancels_at_the_next_cycle_and_keeps_the_partial_reply(session) -> None:
+    app = ChatApp(session, options(max_tokens=200))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send(pilot, LONG_PROMPT)
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.text) > 8, "some streamed text")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
+        [reply] = replies(app)
+        partial = shown_markdown(reply)
+        assert partial.strip()
+        assert "cancelled after" in str(reply.query_one(".status", Static).content)
+        assert app.history[-1] == {"role": "assistant", "content": partial}
+        assert number(figures(app)["cycles"]) < 200
+
+        # the conversation goes on from the partial reply
+        await send_and_wait(pilot, SHORT_PROMPT)
+        assert len(replies(app)) == 2
+        assert [m["role"] for m in app.history] == ["user", "assistant", "user", "assistant"]
+
+    run_app(app, scenario)
+
+
+def test_new_chat_clears_the_view_and_the_conversation(session) -> None:
+    app = ChatApp(session, options(max_tokens=8))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, SHORT_PROMPT)
+        assert replies(app)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert not app.query(UserMessage) and not replies(app)
+        assert app.history == []
+        assert figures(app)["cycles"] == "0"
+
+    run_app(app, scenario)
+
+
+def test_regenerate_replaces_the_last_reply(session) -> None:
+    app = ChatApp(session, options(max_tokens=12))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, SHORT_PROMPT)
+        first = shown_markdown(replies(app)[0])
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: app.busy, "the regenerated reply to start")
+        await wait_for(pilot, lambda: not app.busy, "the regenerated reply")
+        [reply] = replies(app)
+        assert shown_markdown(reply) == first  # greedy: the same reply again
+        assert len(app.history) == 2
+
+    run_app(app, scenario)
+
+
+def test_compare_reruns_with_plain_decoding_and_shows_both_speeds(session) -> None:
+    app = ChatApp(session, options(max_tokens=16))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, SHORT_PROMPT)
+        await pilot.press("ctrl+g")
+        await wait_for(pilot, lambda: app.busy, "the compare run to start")
+        await wait_for(pilot, lambda: not app.busy, "the compare run")
+        speculative, plain = replies(app)
+        assert plain.has_class("-compare")
+        tokens = [p for c in plain.query(TokenChunk) for _, p in c.pieces]
+        assert tokens and set(tokens) == {Provenance.PLAIN}
+        shown = compare_rows(app)
+        assert number(shown["dflash"]) > 0 and number(shown["plain"]) > 0
+        assert number(shown["speedup"]) > 0
+        # greedy speculative decoding reproduces plain decoding token for token
+        assert shown["text"] == "identical"
+        assert shown_markdown(plain) == shown_markdown(speculative)
+        assert len(app.history) == 2, "the compare run is not part of the conversation"
+
+    run_app(app, scenario)
+
+
+def compare_rows(app: ChatApp) -> dict[str, str]:
+    text = str(app.query_one("#compare", Static).content)
+    return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
+
+
+def test_calibration_measures_plain_speed_and_speedup_is_their_ratio(session) -> None:
+    app = ChatApp(session, options(max_tokens=16, calibrate=True))
+
+    async def scenario(pilot: Pilot) -> None:
+        await wait_for(pilot, lambda: app.plain_note != "measuring…", "the calibration")
+        assert app.plain_note == "measured"
+        assert app.plain_tokens_per_s is not None and app.plain_tokens_per_s > 0
+        await send_and_wait(pilot, SHORT_PROMPT)
+        shown = figures(app)
+        decode, plain, speedup = number(shown["decode"]), number(shown["plain"]), number(shown["speedup"])
+        assert speedup == pytest.approx(decode / plain, abs=0.02)
+
+    run_app(app, scenario)
+
+
+def test_prompt_history_recalls_with_up_arrow(session) -> None:
+    app = ChatApp(session, options(max_tokens=4))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, "Hi")
+        await send_and_wait(pilot, "Bye")
+        prompt = app.query_one("#prompt")
+        assert prompt.value == ""
+        await pilot.press("up")
+        assert prompt.value == "Bye"
+        await pilot.press("up")
+        assert prompt.value == "Hi"
+        await pilot.press("down", "down")
+        assert prompt.value == ""
+
+    run_app(app, scenario)
+
+
+def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:
+    app = ChatApp(session, options(max_tokens=8))
+
+    async def scenario(pilot: Pilot) -> None:
+        too_long = "apple " * 1100  # more tokens than the 1024-token context
+        app.query_one("#prompt").value = too_long
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.busy, "the reply to start")
+        await wait_for(pilot, lambda: not app.busy, "the failure")
+        [failed] = replies(app)
+        assert failed.has_class("-failed")
+        assert str(failed.query_one(".status", Static).content).strip()
+        assert app.history == []  # the prompt that could not run left the conversation
+        await send_and_wait(pilot, SHORT_PROMPT)
+        assert shown_markdown(replies(app)[-1]).strip()
+
+    run_app(app, scenario)
+
+
+def test_command_palette_runs_chat_commands(session) -> None:
+    app = ChatApp(session, options(max_tokens=4))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, "Hi")
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"New chat")
+        await wait_for(pilot, lambda: bool(app.screen.query("CommandList Option")), "palette hits")
+        await pilot.pause(0.2)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not replies(app), "the palette's new chat")
+        assert app.history == []
+
+    run_app(app, scenario)
+
+
+def test_stats_panel_toggles(session) -> None:
+    app = ChatApp(session, options(max_tokens=4))
+
+    async def scenario(pilot: Pilot) -> None:
+        panel = app.query_one(StatsPanel)
+        assert panel.display
+        await pilot.press("ctrl+s")
+        assert not panel.display
+        await pilot.press("ctrl+s")
+        assert panel.display
+
+    run_app(app, scenario)
+
+
+async def _finished_reply(pilot: Pilot) -> None:
+    await send_and_wait(pilot, SHORT_PROMPT)
+
+
+def test_snapshot_idle_screen(session, snap_compare) -> None:
+    app = ChatApp(session, options(hide_timing=True))
+    assert snap_compare(app, terminal_size=SIZE)
+
+
+def test_snapshot_finished_reply(session, snap_compare) -> None:
+    app = ChatApp(session, options(max_tokens=24, hide_timing=True))
+    assert snap_compare(app, terminal_size=SIZE, run_before=_finished_reply)

@@ -1,0 +1,60 @@
+"""Write docs/dflash-chat.svg: the real app, one real reply, saved with App.save_screenshot.
+
+`python -m dflash_gguf.tui.screenshot OUT.svg [--drafter D.gguf]` — regenerates the README picture
+from an actual run rather than a mock-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from dflash_gguf.tui.app import ChatApp
+from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+
+PROMPT = "Explain speculative decoding in three short bullet points."
+SIZE = (120, 40)
+WAIT_S = 300.0
+
+
+async def capture(app: ChatApp, out: Path, prompt: str) -> None:
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + WAIT_S
+
+        async def until(condition) -> None:
+            while not condition():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the app did not finish the reply in time")
+                await pilot.pause(0.05)
+
+        await until(lambda: app.plain_note != "measuring…")
+        app.query_one("#prompt").focus()
+        await pilot.press(*prompt)
+        await pilot.press("enter")
+        await until(lambda: app.busy)
+        await until(lambda: not app.busy)
+        await pilot.pause(0.3)
+        tmp = out.with_name(out.name + ".tmp")
+        app.save_screenshot(tmp.name, path=str(tmp.parent))
+        tmp.replace(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m dflash_gguf.tui.screenshot")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--drafter", type=Path, default=None)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--n-threads", type=int, default=2)
+    args = parser.parse_args()
+    from dflash_gguf.session import Session
+
+    options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens))
+    with Session(None, args.drafter, n_ctx=2048, n_threads=args.n_threads) as session:
+        asyncio.run(capture(ChatApp(session, options), args.out, PROMPT))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
