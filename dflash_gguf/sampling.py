@@ -83,18 +83,8 @@ def _nucleus_mask(sorted_probs: np.ndarray, top_p: float) -> np.ndarray:
     return np.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
 
 
-def _apply_top_p_small(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Nucleus filter over a few candidates per row (after top-k): a full sort is cheap here."""
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    sorted_probs = np.take_along_axis(probs, order, axis=-1)
-    kept = np.where(_nucleus_mask(sorted_probs, top_p), sorted_probs, 0.0)
-    out = np.zeros_like(probs)
-    np.put_along_axis(out, order, kept, axis=-1)
-    return out / out.sum(axis=-1, keepdims=True)
-
-
-def _apply_top_p_full(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Nucleus filter over the whole vocabulary, sorting only as many candidates as the nucleus needs."""
+def _apply_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Nucleus filter over each row, sorting only as many candidates as the nucleus needs."""
     rows, vocab = probs.shape
     m = min(vocab, _NUCLEUS_FIRST_CANDIDATES)
     while True:
@@ -146,13 +136,13 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         ids = np.argpartition(rows, vocab - top_k, axis=-1)[:, vocab - top_k :]
         probs = _softmax_(np.take_along_axis(rows, ids, axis=-1).astype(np.float64), temperature)
         if top_p < 1.0:
-            probs = _apply_top_p_small(probs, top_p)
+            probs = _apply_top_p(probs, top_p)
         out = np.zeros(rows.shape, dtype=np.float64)
         np.put_along_axis(out, ids, probs, axis=-1)
     else:
         out = _softmax_(rows.astype(np.float64), temperature)
         if top_p < 1.0:
-            out = _apply_top_p_full(out, top_p)
+            out = _apply_top_p(out, top_p)
     return out.reshape(x.shape)
 
 
