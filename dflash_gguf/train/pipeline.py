@@ -1,0 +1,176 @@
+"""The whole `dflash-train` recipe as stages: data (self-distillation), training, GGUF export.
+
+Each stage picks up what an earlier, interrupted run left in the run directory: the feature
+caches skip the prompts already answered, training resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..schema import hf_layer_to_gguf
+from .config import TrainConfig
+from .data import FeatureCache, GenerationSettings, generate
+from .errors import TrainError
+from .model import target_layer_ids
+from .prompts import Prompt, load_prompts, split_prompts, weighted_order
+from .target_spec import TargetSpec, read_target_spec
+
+SPLIT_FILE = "split.json"
+TRAIN_DATA = "data"
+EVAL_DATA = "eval_data"
+
+
+@dataclass
+class RunData:
+    spec: TargetSpec
+    layer_ids: list[int]  # HF ids
+    train: FeatureCache
+    eval: FeatureCache
+    test_prompts: list[Prompt]
+
+
+def resolve_layers(cfg: TrainConfig, spec: TargetSpec) -> list[int]:
+    """HF target layer ids: given, or spread over the target's layers."""
+    ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else target_layer_ids(spec.info.n_layer, cfg.feature_layers)
+    bad = [i for i in ids if not 0 <= i < spec.info.n_layer - 1]
+    if bad:
+        raise TrainError(f"target layer ids {bad} outside 0..{spec.info.n_layer - 2} for a {spec.info.n_layer}-layer target")
+    return ids
+
+
+def split(cfg: TrainConfig) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, test) prompts, and the test ids written to OUT/split.json for later τ measurements."""
+    prompts = load_prompts(cfg.prompts)
+    hold = {p.id for p in load_prompts(cfg.hold_out)} if cfg.hold_out else set()
+    train, test = split_prompts(prompts, cfg.test_per_category, cfg.seed, hold)
+    if not train:
+        raise TrainError(f"{cfg.prompts}: no prompts left for training after holding back the test split")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    by_cat: dict[str, list[str]] = {}
+    for p in test:
+        by_cat.setdefault(p.category, []).append(p.id)
+    tmp = out / (SPLIT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"seed": cfg.seed, "prompts": str(cfg.prompts), "test": by_cat}, indent=1))
+    tmp.replace(out / SPLIT_FILE)
+    return train, test
+
+
+def eval_subset(test: list[Prompt], hold_out: set[str], per_category: int) -> list[Prompt]:
+    """The first `per_category` test prompts of each category (benchmark prompts left to the benchmark)."""
+    taken: dict[str, int] = {}
+    chosen = []
+    for p in test:
+        if p.id in hold_out or taken.get(p.category, 0) >= per_category:
+            continue
+        taken[p.category] = taken.get(p.category, 0) + 1
+        chosen.append(p)
+    return chosen
+
+
+def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
+    """Answer the held-out eval prompts and then the training prompts, caching features."""
+    from ..target import Target  # libllama loads only when data is actually generated
+
+    spec = read_target_spec(cfg.target, cfg.mask_token_id)
+    layer_ids = resolve_layers(cfg, spec)
+    train, test = split(cfg)
+    hold = {p.id for p in load_prompts(cfg.hold_out)} if cfg.hold_out else set()
+    settings = GenerationSettings(
+        max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len, n_parallel=cfg.parallel,
+        n_threads=cfg.threads, temperature=cfg.temperature, seed=cfg.seed,
+    )
+    gguf_layers = hf_layer_to_gguf(layer_ids)
+    out = Path(cfg.out)
+    caches = {
+        name: FeatureCache.open_or_create(
+            out / name, fingerprint=spec.info.fingerprint, layers=gguf_layers, n_embd=spec.info.n_embd, settings=settings
+        )
+        for name in (EVAL_DATA, TRAIN_DATA)
+    }
+    order = weighted_order(train, cfg.category_weights, cfg.seed)
+    if cfg.max_prompts is not None:
+        order = order[: cfg.max_prompts]
+    eval_prompts = eval_subset(test, hold, cfg.eval_prompts_per_category)
+    jobs = [(EVAL_DATA, eval_prompts), (TRAIN_DATA, order)]
+    if any(p.id not in caches[name].done_ids for name, ps in jobs for p in ps):
+        deadline = time.time() + cfg.generate_minutes * 60 if cfg.generate_minutes else None
+        target = Target.open(
+            cfg.target, n_ctx=cfg.parallel * cfg.max_seq_len, n_batch=512, n_seq_max=cfg.parallel,
+            n_threads=cfg.threads, flash_attn=cfg.flash_attn,
+        )
+        try:
+            target.capture(gguf_layers)
+            for name, ps in jobs:
+                cache = caches[name]
+                todo = sum(p.id not in cache.done_ids for p in ps)
+                if not todo:
+                    continue
+                bar = tqdm(total=todo, desc=f"generate {name}", unit="seq", disable=not progress, dynamic_ncols=True)
+
+                def report(n_seq: int, n_tok: int, seconds: float, bar=bar) -> None:
+                    bar.set_postfix(tok_s=f"{n_tok / max(seconds, 1e-9):.0f}", tokens=n_tok, refresh=False)
+                    bar.update(n_seq - bar.n)
+
+                generate(target, cache, ps, settings, deadline=deadline, progress=report)
+                bar.close()
+        finally:
+            target.close()
+    return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], test)
+
+
+def load_data(cfg: TrainConfig) -> RunData:
+    """The caches an earlier data stage wrote (no generation)."""
+    spec = read_target_spec(cfg.target, cfg.mask_token_id)
+    layer_ids = resolve_layers(cfg, spec)
+    _, test = split(cfg)
+    out = Path(cfg.out)
+    train, ev = FeatureCache.open(out / TRAIN_DATA), FeatureCache.open(out / EVAL_DATA)
+    if train.manifest.target_fingerprint != spec.info.fingerprint or train.manifest.target_layers != hf_layer_to_gguf(layer_ids):
+        raise TrainError(f"{out / TRAIN_DATA}: the cache was made for another target or layer set")
+    if not train.records:
+        raise TrainError(f"{out / TRAIN_DATA}: the feature cache holds no sequences; run the data stage first")
+    return RunData(spec, layer_ids, train, ev, test)
+
+
+@dataclass
+class RunResult:
+    lines: list[str]
+    checkpoint: Path | None = None
+    gguf: Path | None = None
+
+    def summary(self) -> list[str]:
+        return self.lines
+
+
+def run(cfg: TrainConfig, *, stage: str = "all", progress: bool = True) -> RunResult:
+    """Run the stages of `stage` ("all", "data", "train" or "export") and say what they made."""
+    cfg.validate()
+    result = RunResult(lines=[])
+    data = None
+    if stage in ("all", "data"):
+        data = prepare_data(cfg, progress=progress)
+        result.lines.append(
+            f"data: {len(data.train.records)} training sequences ({data.train.n_tokens} tokens), "
+            f"{len(data.eval.records)} held-out, in {cfg.out}"
+        )
+    if stage in ("all", "train"):
+        from .trainer import train
+
+        data = data or load_data(cfg)
+        report = train(cfg, data, progress=progress)
+        result.checkpoint = report.best_checkpoint
+        result.lines.extend(report.lines())
+    if stage in ("all", "export"):
+        from .export import export
+
+        data = data or load_data(cfg)
+        result.gguf = export(cfg, data)
+        result.lines.append(f"gguf: {result.gguf}")
+    return result
