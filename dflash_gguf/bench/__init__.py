@@ -1,0 +1,1 @@
+"""dflash-bench: plain decoding against DFlash on the same target, prompts and settings."""

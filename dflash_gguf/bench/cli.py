@@ -1,0 +1,147 @@
+"""dflash-bench: plain decoding against DFlash on this machine, or (--kernels) target batch costs per quantization.
+
+Bad input ends in one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from dflash_gguf.tui.cli import OneLineParser
+
+EXIT_BAD_INPUT = 2
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="dflash-bench",
+        description="Benchmark DFlash speculative decoding against plain decoding on the same target and prompts.",
+    )
+    p.add_argument("--prompts", type=Path, help="prompts JSONL ({id, category, prompt}); default: the built-in suite")
+    p.add_argument("--categories", nargs="+", default=[], help="only these categories")
+    p.add_argument("--limit", type=_positive, help="at most N prompts per category")
+    p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the shipped drafter)")
+    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--repeats", type=_positive, default=2, help="timed runs per mode and prompt, interleaved (default 2)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
+    p.add_argument("--threads", type=_positive, help="threads for target and drafter (default: the runtime's)")
+    p.add_argument("--n-ctx", type=_positive, default=2048, help="context size (default 2048)")
+    p.add_argument("--block-size", type=_positive, help="fixed block size (default: adaptive)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
+    p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
+    p.add_argument("--peers", nargs="*", default=[], choices=["lookup", "reference", "llama-server"],
+                   help="peers to run on the same prompts")
+    p.add_argument("--llama-server", type=Path, help="upstream llama-server binary (run with --spec-type draft-dflash)")
+    p.add_argument("--reference-drafter", type=Path,
+                   help="z-lab checkpoint directory of the drafter, for the reference peer's τ")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: time target batches of 1..16 tokens for the target and its Q4_0/Q8_0 requantizations")
+    p.add_argument("--requant-dir", type=Path, help="with --kernels: keep requantized files here (default: a temp dir)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.kernels:
+            return _kernels(args)
+        return _bench(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"dflash-bench: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("dflash-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _check_out(args: argparse.Namespace) -> Path:
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: output path exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from dflash_gguf.convert.writer import atomic_output
+    from dflash_gguf.defaults import embedded_target
+
+    from . import kernels
+
+    source = args.target or embedded_target()
+    out = _check_out(args)
+    threads = args.threads or 2
+    if args.requant_dir is not None:
+        if not args.requant_dir.is_dir():
+            raise ValueError(f"{args.requant_dir}: --requant-dir must be an existing directory")
+        variants = kernels.prepare_variants(source, args.requant_dir, n_threads=threads)
+        report = kernels.measure(variants, repeats=args.repeats, n_threads=threads)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dflash-requant-") as tmp:
+            variants = kernels.prepare_variants(source, Path(tmp), n_threads=threads)
+            report = kernels.measure(variants, repeats=args.repeats, n_threads=threads)
+    table = kernels.to_markdown(report)
+    with atomic_output(out / f"{args.name}-kernels.json", force=True) as tmp:
+        tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")
+    with atomic_output(out / f"{args.name}-kernels.md", force=True) as tmp:
+        tmp.write_text(table, encoding="utf-8")
+    print(table, end="")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import report
+    from .runner import BenchConfig, run_benchmark
+    from .suite import load_suite
+
+    prompts = load_suite(args.prompts, categories=args.categories, limit=args.limit)
+    if args.llama_server is not None and "llama-server" not in args.peers:
+        args.peers.append("llama-server")
+    if "llama-server" in args.peers and args.llama_server is None:
+        raise ValueError("the llama-server peer needs --llama-server PATH (an upstream llama-server binary)")
+    if args.llama_server is not None and not args.llama_server.is_file():
+        raise ValueError(f"{args.llama_server}: --llama-server is not a file")
+    out = _check_out(args)
+    config = BenchConfig(
+        prompts=prompts,
+        target=args.target,
+        drafter=args.drafter,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        warmup=not args.no_warmup,
+        n_threads=args.threads,
+        n_ctx=args.n_ctx,
+        block_size=args.block_size,
+        peers=tuple(args.peers),
+        llama_server=args.llama_server,
+        reference_drafter=args.reference_drafter,
+    )
+    result = run_benchmark(config, progress=lambda line: print(line, file=sys.stderr))
+    paths = [
+        report.write_json(result, out / f"{args.name}.json"),
+        report.write_markdown(result, out / f"{args.name}.md"),
+        report.write_plot(result, out / f"{args.name}.png"),
+    ]
+    print(report.to_markdown(result), end="")
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

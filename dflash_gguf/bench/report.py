@@ -1,0 +1,128 @@
+"""Benchmark output: a JSON file with every figure, a Markdown table, and a PNG plot.
+
+Each file is written beside its destination and renamed into place, so a failed run leaves none half-written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_gguf.convert.writer import atomic_output
+
+from .results import BenchResult
+
+
+def write_json(result: BenchResult, path: Path) -> Path:
+    with atomic_output(path, force=True) as tmp:
+        tmp.write_text(json.dumps(result.to_dict(), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def write_markdown(result: BenchResult, path: Path) -> Path:
+    with atomic_output(path, force=True) as tmp:
+        tmp.write_text(to_markdown(result), encoding="utf-8")
+    return path
+
+
+def _f(value: float | None, fmt: str = ".1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def to_markdown(result: BenchResult) -> str:
+    """Per-category and per-prompt tables, then peers, then how the figures were obtained."""
+    d = result.to_dict()
+    lines = ["## Summary by category", ""]
+    lines += [
+        "| category | prompts | plain tok/s | DFlash tok/s | median speedup | min speedup | τ | accepted | "
+        "draft ms/cycle | verify ms/cycle | loop overhead | plain cycles | identical outputs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in d["summary"].items():
+        plain, dfl = s["plain"], s["dflash"]
+        lines.append(
+            f"| {name} | {s['prompts']} | {_f(plain['decode_tokens_per_s'])} | {_f(dfl['decode_tokens_per_s'])} | "
+            f"{_f(s['median_speedup'], '.2f', 'x')} | {_f(s['min_speedup'], '.2f', 'x')} | {_f(dfl['tau'], '.2f')} | "
+            f"{_pct(dfl['acceptance_rate'])} | {_f(dfl['draft_ms_per_cycle'], '.2f')} | "
+            f"{_f(dfl['verify_ms_per_cycle'], '.2f')} | {_pct(dfl['overhead_share'])} | "
+            f"{_pct(dfl['plain_cycle_share'])} | {s['outputs_identical']}/{s['prompts']} |"
+        )
+    lines += ["", "## Per prompt", ""]
+    lines += [
+        "| prompt | category | tokens | plain tok/s | DFlash tok/s | speedup | τ | TTFT plain ms | TTFT DFlash ms | "
+        "prefill ms | draft ms/cycle | verify ms/cycle | overhead | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in d["prompts"]:
+        plain, dfl = p["plain"], p["dflash"]
+        ttft_p = None if plain["ttft_s"] is None else plain["ttft_s"] * 1e3
+        ttft_d = None if dfl["ttft_s"] is None else dfl["ttft_s"] * 1e3
+        prefill = None if dfl["prefill_s"] is None else dfl["prefill_s"] * 1e3
+        identical = {True: "yes", False: "no", None: "-"}[p["outputs_identical"]]
+        lines.append(
+            f"| {p['id']} | {p['category']} | {_f(dfl['n_tokens'], '.0f')} | {_f(plain['decode_tokens_per_s'])} | "
+            f"{_f(dfl['decode_tokens_per_s'])} | {_f(p['speedup'], '.2f', 'x')} | {_f(dfl['tau'], '.2f')} | "
+            f"{_f(ttft_p, '.0f')} | {_f(ttft_d, '.0f')} | {_f(prefill, '.0f')} | {_f(dfl['draft_ms_per_cycle'], '.2f')} | "
+            f"{_f(dfl['verify_ms_per_cycle'], '.2f')} | {_pct(dfl['overhead_share'])} | {identical} |"
+        )
+    overall = d["summary"]["all"]["dflash"]
+    if overall["acceptance_histogram"]:
+        hist, by_pos = overall["acceptance_histogram"], overall["acceptance_by_position"]
+        lines += ["", "## Acceptance (all DFlash cycles that drafted)", ""]
+        lines += ["| drafts accepted | " + " | ".join(str(k) for k in range(len(hist))) + " |"]
+        lines += ["|---|" + "---|" * len(hist)]
+        lines += ["| cycles | " + " | ".join(str(n) for n in hist) + " |"]
+        lines += ["", "| block position | " + " | ".join(str(k + 1) for k in range(len(by_pos))) + " |"]
+        lines += ["|---|" + "---|" * len(by_pos)]
+        lines += ["| drafts 1..k all accepted | " + " | ".join(f"{100 * a:.0f}%" for a in by_pos) + " |"]
+    lines += ["", "## Peers", ""]
+    if not d["peers"]:
+        lines.append("No peers were requested.")
+    for peer in d["peers"]:
+        if not peer["available"]:
+            lines.append(f"- **{peer['name']}**: unavailable — {peer['reason']}")
+            continue
+        o = peer["overall"]
+        lines.append(
+            f"- **{peer['name']}**: {_f(o['decode_tokens_per_s'])} tok/s median decode, τ {_f(o['tau'], '.2f')}, "
+            f"TTFT {_f(None if o['ttft_s'] is None else o['ttft_s'] * 1e3, '.0f')} ms over {o['runs']} runs "
+            f"({peer['reason']})"
+        )
+    lines += ["", "## Settings and machine", ""]
+    for key, value in {**d["settings"], **d["machine"], **d["memory"]}.items():
+        lines.append(f"- {key}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(result: BenchResult, path: Path) -> Path:
+    """Two panels: median speedup by category (1.0 marked), and acceptance by block position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = result.to_dict()
+    categories = [c for c in d["summary"] if c != "all"]
+    speedups = [d["summary"][c]["median_speedup"] or 0.0 for c in categories]
+    by_pos = d["summary"]["all"]["dflash"]["acceptance_by_position"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(categories, speedups, color="#3b7dd8")
+    left.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    left.set_ylabel("median decode speedup (DFlash / plain)")
+    left.set_title("Speedup by category")
+    for x, s in enumerate(speedups):
+        left.text(x, s, f"{s:.2f}x", ha="center", va="bottom")
+    right.bar(range(1, len(by_pos) + 1), by_pos, color="#d8823b")
+    right.set_xlabel("block position k (draft slot)")
+    right.set_ylabel("share of cycles with drafts 1..k all accepted")
+    right.set_ylim(0, 1)
+    right.set_title("Acceptance by block position")
+    fig.tight_layout()
+    with atomic_output(path, force=True) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    return path
