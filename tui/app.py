@@ -57,6 +57,8 @@ class Reply:
     # why the Session stopped, when it says so in a closing Step that decoded nothing (context full)
     closing_note: str = ""
     pending: list[Piece] = field(default_factory=list)
+    # cycles arrived since the last draw (a cycle may add stats but no text yet)
+    dirty: bool = False
 
     @property
     def text(self) -> str:
@@ -185,13 +187,15 @@ class ChatApp(App[None]):
             reply.closing_note = step.reason
         reply.parts.append(step.text)
         reply.pending.extend(reply.splitter.split(step))
+        reply.dirty = True
 
     def _flush(self) -> None:
         reply = self.reply
-        if reply is None or not reply.pending:
+        if reply is None or not reply.dirty:
             return
-        pieces, reply.pending = reply.pending, []
-        reply.widget.append(pieces)
+        pieces, reply.pending, reply.dirty = reply.pending, [], False
+        if pieces:
+            reply.widget.append(pieces)
         self.stats_panel.show(reply.stats, self.plain_tokens_per_s, self.plain_note)
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
@@ -277,7 +281,7 @@ class ChatApp(App[None]):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
         self.history.pop()
-        replies = [w for w in self.transcript.query(AssistantMessage) if not w.has_class("-compare")]
+        replies = [w for w in self.transcript.query(AssistantMessage) if not (w.has_class("-compare") or w.has_class("-failed"))]
         if replies:
             for widget in self.transcript.children[self.transcript.children.index(replies[-1]) :]:
                 widget.remove()
