@@ -1,0 +1,196 @@
+"""Run the benchmark: plain decoding and DFlash interleaved (A B A B) on one Session, then the peers.
+
+Both modes share the target, its settings, the prompts and max_tokens; greedy, so their outputs can be
+compared token for token. Every run prefills the whole prompt (the KV caches are cleared first), so TTFT
+and prefill mean the same thing in both modes.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dflash_gguf.train.prompts import Prompt
+
+from . import peers as peer_runs
+from .machine import machine_info
+from .results import BenchResult, Generation, PeerResult, PromptResult
+
+MODES = ("plain", "dflash")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts: Sequence[Prompt]
+    target: Path | None = None  # None: the embedded target
+    drafter: Path | None = None  # None: the shipped drafter
+    max_tokens: int = 128
+    repeats: int = 2
+    warmup: bool = True
+    n_threads: int | None = None
+    n_ctx: int = 2048
+    block_size: int | None = None  # None: adaptive
+    peers: tuple[str, ...] = field(default_factory=tuple)
+    llama_server: Path | None = None
+    reference_drafter: Path | None = None
+
+    def validate(self) -> None:
+        if not self.prompts:
+            raise ValueError("no prompts to benchmark")
+        for name in ("max_tokens", "repeats", "n_ctx"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        unknown = set(self.peers) - {"lookup", "reference", "llama-server"}
+        if unknown:
+            raise ValueError(f"unknown peers {sorted(unknown)}: choose from lookup, reference, llama-server")
+        if "llama-server" in self.peers and self.llama_server is None:
+            raise ValueError("the llama-server peer needs the path of an upstream llama-server binary")
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed_generation(session, messages: list[dict], mode: str, repeat: int, config: BenchConfig) -> Generation:
+    """One generation, timed from the caller's side; per-cycle figures from the Steps the runtime yields.
+
+    A cycle's wall time is the time between two Steps; what draft_s and verify_s do not cover is the
+    loop's own cost (sampling/acceptance bookkeeping, KV rollback, detokenisation, the controller).
+    """
+    session.reset()
+    tokens: list[int] = []
+    g = Generation(mode, repeat, tokens, prefill_s=0.0, ttft_s=0.0, decode_s=0.0)
+    start = time.perf_counter()
+    previous = first = start
+    for step in session.stream_chat(
+        messages,
+        max_tokens=config.max_tokens,
+        temperature=0.0,
+        speculative=mode == "dflash",
+        block_size=config.block_size,
+    ):
+        now = time.perf_counter()
+        tokens.extend(step.tokens)
+        if step.reason == "prefill":
+            first = now
+            g.prefill_s = step.verify_s
+            g.ttft_s = now - start
+        elif step.block_size > 0:
+            g.cycles += 1
+            g.draft_s += step.draft_s
+            g.verify_s += step.verify_s
+            g.overhead_s += max(0.0, (now - previous) - step.draft_s - step.verify_s)
+            _count_cycle(g, step)
+        previous = now
+    g.decode_s = previous - first
+    return g
+
+
+def _count_cycle(g: Generation, step) -> None:
+    kind = step.reason.split(":", 1)[0].split(" ", 1)[0]
+    g.reasons[kind] = g.reasons.get(kind, 0) + 1
+    if step.n_drafted == 0:
+        g.plain_cycles += 1
+        return
+    g.n_drafted += step.n_drafted
+    g.n_accepted += step.n_accepted
+    for counts, upto in (
+        (g.acceptance_histogram, step.n_accepted + 1),
+        (g.position_drafted, step.n_drafted),
+        (g.position_accepted, step.n_accepted),
+    ):
+        if len(counts) < upto:
+            counts.extend([0] * (upto - len(counts)))
+    g.acceptance_histogram[step.n_accepted] += 1
+    for k in range(step.n_drafted):
+        g.position_drafted[k] += 1
+    for k in range(step.n_accepted):
+        g.position_accepted[k] += 1
+
+
+def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
+    """Every prompt in both modes, `repeats` times each, interleaved; then the requested peers."""
+    from dflash_gguf.session import Session
+
+    config.validate()
+    session = Session(config.target, config.drafter, n_ctx=config.n_ctx, n_threads=config.n_threads)
+    with session:
+        rss_loaded = _peak_rss_mib()
+        conversations = {p.id: [{"role": "user", "content": p.prompt}] for p in config.prompts}
+        if config.warmup:
+            first = config.prompts[0]
+            for mode in MODES:
+                timed_generation(session, conversations[first.id], mode, -1, config)
+        results = []
+        for i, p in enumerate(config.prompts, 1):
+            runs = [
+                timed_generation(session, conversations[p.id], mode, r, config)
+                for r in range(config.repeats)
+                for mode in MODES
+            ]
+            results.append(PromptResult(p.id, p.category, runs))
+            speedup = results[-1].speedup()
+            progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {'-' if speedup is None else f'{speedup:.2f}x'}")
+        peer_prompts = [
+            peer_runs.PeerPrompt(p.id, *session.format_chat(conversations[p.id])) for p in config.prompts
+        ]
+        paths = session.paths()
+        n_threads = session.n_threads
+        block = session.block_size
+        rss_bench = _peak_rss_mib()
+    peers = _run_peers(config, paths, peer_prompts, n_threads, block, progress)
+    settings = {
+        "target": str(paths[0]),
+        "drafter": str(paths[1]),
+        "max_tokens": config.max_tokens,
+        "repeats": config.repeats,
+        "warmup": config.warmup,
+        "n_ctx": config.n_ctx,
+        "block_size": config.block_size or f"adaptive (up to {block})",
+        "sampling": "greedy",
+        "order": "per prompt: plain, DFlash, plain, DFlash, ... (A B A B)",
+    }
+    memory = {
+        "peak_rss_after_load_mib": round(rss_loaded, 1),
+        "peak_rss_after_benchmark_mib": round(rss_bench, 1),
+        "peak_rss_final_mib": round(_peak_rss_mib(), 1),
+        "memory_note": "getrusage ru_maxrss: peak resident memory of the whole benchmark process (both models, "
+        "both modes, Python); the modes share one process, so it is not split per mode",
+    }
+    return BenchResult(settings, machine_info(n_threads), results, peers, memory)
+
+
+def _run_peers(
+    config: BenchConfig,
+    paths: tuple[Path, Path],
+    prompts: list[peer_runs.PeerPrompt],
+    n_threads: int,
+    block: int,
+    progress: Callable[[str], None],
+) -> list[PeerResult]:
+    target, drafter = paths
+    out = []
+    for name in config.peers:
+        progress(f"peer: {name}")
+        if name == "lookup":
+            out.append(
+                peer_runs.prompt_lookup(
+                    target, prompts, max_tokens=config.max_tokens, repeats=config.repeats, n_threads=n_threads,
+                    n_ctx=config.n_ctx,
+                )
+            )
+        elif name == "reference":
+            out.append(peer_runs.reference_tau(target, config.reference_drafter, prompts, max_tokens=config.max_tokens))
+        elif name == "llama-server":
+            out.append(
+                peer_runs.llama_server(
+                    config.llama_server, target, drafter, prompts, max_tokens=config.max_tokens,
+                    repeats=config.repeats, n_threads=n_threads, n_ctx=config.n_ctx, n_draft=block - 1, log=progress,
+                )
+            )
+    return out
