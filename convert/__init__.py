@@ -2,5 +2,6 @@
 
 from dflash_gguf.convert.converter import check_pair, convert_checkpoint
 from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.convert.info import DrafterInfo, drafter_info, format_info
 
-__all__ = ["ConversionError", "check_pair", "convert_checkpoint"]
+__all__ = ["ConversionError", "DrafterInfo", "check_pair", "convert_checkpoint", "drafter_info", "format_info"]

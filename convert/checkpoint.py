@@ -205,10 +205,6 @@ class Checkpoint:
     config: DraftConfig
     tensors: dict[str, CheckpointTensor]
 
-    @property
-    def dtypes(self) -> set[str]:
-        return {t.dtype for t in self.tensors.values()}
-
 
 def _weight_files(src: Path) -> tuple[Path, list[Path]]:
     """(directory holding config.json, safetensors files) for a file, index or directory argument."""

@@ -169,6 +169,4 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
         return value.decode("utf-8", errors="replace")
     if sub == gguf.GGUFValueType.STRING:
         return [v.decode("utf-8", errors="replace") for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
     return value

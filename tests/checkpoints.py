@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash_gguf.schema import gguf_tensor_name
-from dflash_gguf.target_gguf import FastGGUFReader
+from dflash_gguf.target_gguf import FastGGUFReader, MetadataField
 
 # SmolLM2-135M-Instruct, the embedded target
 HIDDEN_SIZE = 576
@@ -117,6 +117,32 @@ def make_reference_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+# --- metadata-only target GGUFs ------------------------------------------------
+
+
+def write_metadata_gguf(path: Path, arch: str, *, n_embd: int, n_layer: int, fields: Sequence[MetadataField] = ()) -> Path:
+    """A GGUF with a target's geometry keys and `fields`, no tensors: read_target_info reads no more."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.embedding_length", n_embd)
+    w.add_uint32(f"{arch}.block_count", n_layer)
+    for field in fields:
+        w.add_key_value(field.key, field.value, field.type, field.sub_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return path
+
+
+def token_fields(tokens: Sequence[str]) -> tuple[MetadataField, ...]:
+    """A gpt2-style tokenizer with just these token texts."""
+    V = gguf.GGUFValueType
+    return (
+        MetadataField("tokenizer.ggml.model", "gpt2", V.STRING),
+        MetadataField("tokenizer.ggml.tokens", list(tokens), V.ARRAY, V.STRING),
+    )
 
 
 # --- reading conversions back -------------------------------------------------

@@ -9,12 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints import HIDDEN_SIZE, NUM_TARGET_LAYERS, make_reference_checkpoint
+from checkpoints import HIDDEN_SIZE, NUM_TARGET_LAYERS, make_reference_checkpoint, token_fields, write_metadata_gguf
 from dflash_gguf.convert.cli import main
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.writer import atomic_output
@@ -73,17 +72,8 @@ def edit_tensors(ckpt: Path, edit) -> None:
 def write_target(
     path: Path, *, arch: str = "llama", n_embd: int = HIDDEN_SIZE, n_layer: int = NUM_TARGET_LAYERS, n_vocab: int = 49152
 ) -> Path:
-    """A metadata-only target GGUF with chosen geometry (read_target_info reads no tensors)."""
-    w = gguf.GGUFWriter(path, arch)
-    w.add_uint32(f"{arch}.embedding_length", n_embd)
-    w.add_uint32(f"{arch}.block_count", n_layer)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(n_vocab)])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    return path
+    """A metadata-only target GGUF with chosen geometry."""
+    return write_metadata_gguf(path, arch, n_embd=n_embd, n_layer=n_layer, fields=token_fields([f"t{i}" for i in range(n_vocab)]))
 
 
 def test_missing_input_path(capsys, tmp_path, out):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -15,13 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import (
     GGUF_LAYERS, HEAD_DIM, HIDDEN_SIZE, MASK_TOKEN_ID, VOCAB_SIZE, assert_round_trip, checkpoint_tensors,
-    gguf_tensors, loaded_model, make_reference_checkpoint, meta, reader,
+    gguf_tensors, loaded_model, make_reference_checkpoint, meta, reader, write_metadata_gguf,
 )
 from dflash_gguf import llama_ext
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.convert.cli import main
 from dflash_gguf.schema import Keys
-from dflash_gguf.target_gguf import field_value, read_target_info
+from dflash_gguf.target_gguf import MetadataField, field_value, read_target_info
 
 
 @pytest.fixture(scope="module")
@@ -180,17 +182,11 @@ def test_interleaved_rope_checkpoints_are_permuted_to_neox_order(reference_check
 
 def test_mrope_target_gets_degenerate_rope_sections(reference_checkpoint, embedded_target, tmp_path):
     # the embedded target's geometry and tokenizer, re-labelled as an M-RoPE model (sections as Qwen2-VL writes them)
-    target = tmp_path / "mrope_target.gguf"
-    w = gguf.GGUFWriter(target, "qwen2vl")
-    w.add_uint32("qwen2vl.embedding_length", 576)
-    w.add_uint32("qwen2vl.block_count", 30)
-    w.add_array("qwen2vl.rope.dimension_sections", [16, 24, 24, 0])
-    for field in read_target_info(embedded_target).tokenizer_fields:
-        w.add_key_value(field.key, field.value, field.type, field.sub_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
+    sections = MetadataField("qwen2vl.rope.dimension_sections", [16, 24, 24, 0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    target = write_metadata_gguf(
+        tmp_path / "mrope_target.gguf", "qwen2vl", n_embd=576, n_layer=30,
+        fields=(sections, *read_target_info(embedded_target).tokenizer_fields),
+    )
     out = convert_checkpoint(reference_checkpoint, tmp_path / "d.gguf", target=target, progress=False)
     assert field_value(reader(out), Keys.ROPE_DIMENSION_SECTIONS) == [HEAD_DIM // 2, 0, 0, 0]
     with loaded_model(out) as model:
@@ -206,3 +202,23 @@ def test_own_full_vocabulary_head_is_kept(reference_checkpoint, tmp_path):
     assert_round_trip(dest, out)
     with loaded_model(out) as model:
         assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
+
+
+def test_cli_end_to_end_without_torch(reference_checkpoint_dflash2, embedded_target, tmp_path):
+    out = tmp_path / "cli.gguf"
+    script = (
+        "import sys\n"
+        "from dflash_gguf.convert.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "assert 'torch' not in sys.modules, 'the converter imported torch'\n"
+        "sys.exit(code)\n"
+    )
+    args = [str(reference_checkpoint_dflash2), str(out), "--target", str(embedded_target), "--outtype", "q8_0"]
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {out}") and done.stderr == ""
+    info = subprocess.run([sys.executable, "-m", "dflash_gguf.convert", "--info", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert info.returncode == 0, info.stderr
+    assert "dflash (dflash2)" in info.stdout and "Q8_0" in info.stdout
+    assert read_target_info(embedded_target).fingerprint in info.stdout

@@ -8,6 +8,7 @@ import gguf
 import llama_cpp
 import pytest
 
+from checkpoints import token_fields, write_metadata_gguf
 from dflash_gguf.target_gguf import FastGGUFReader, field_value, fingerprint, read_target_info
 
 
@@ -91,26 +92,11 @@ def test_truncated_gguf(tmp_path, embedded_target, size):
 
 
 def test_gguf_without_tokenizer(tmp_path):
-    path = tmp_path / "bare.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_uint32("llama.embedding_length", 576)
-    w.add_uint32("llama.block_count", 30)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
+    path = write_metadata_gguf(tmp_path / "bare.gguf", "llama", n_embd=576, n_layer=30)
     with pytest.raises(ValueError, match=r"bare\.gguf: the target GGUF has no tokenizer"):
         read_target_info(path)
 
 
 def test_recurrent_architecture_is_flagged(tmp_path):
-    path = tmp_path / "mamba.gguf"
-    w = gguf.GGUFWriter(path, "mamba")
-    w.add_uint32("mamba.embedding_length", 768)
-    w.add_uint32("mamba.block_count", 24)
-    w.add_array("tokenizer.ggml.tokens", ["a", "b"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
+    path = write_metadata_gguf(tmp_path / "mamba.gguf", "mamba", n_embd=768, n_layer=24, fields=token_fields(["a", "b"]))
     assert read_target_info(path).recurrent
