@@ -119,7 +119,12 @@ class Drafter:
         target.capture(self.layers)
         threads = capi.llama_n_threads(target.ctx) if n_threads is None else n_threads
         self._ctx = new_context(
-            model, n_ctx=target.n_ctx_seq, n_batch=target.n_batch, n_threads=threads, ctx_other=target.ctx
+            model,
+            n_ctx=target.n_ctx_seq,
+            n_batch=target.n_batch,
+            n_threads=threads,
+            flash_attn=target.flash_attn,
+            ctx_other=target.ctx,
         )
         self._mem = capi.llama_get_memory(self._ctx)
         self.n_ctx = capi.llama_n_ctx(self._ctx)

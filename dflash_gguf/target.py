@@ -87,9 +87,13 @@ def new_context(
     n_batch: int,
     n_seq_max: int = 1,
     n_threads: int | None = None,
+    flash_attn: bool = False,
     ctx_other: capi.llama_context_p | None = None,
 ) -> capi.llama_context_p:
-    """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph."""
+    """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph.
+
+    flash_attn defaults to off, as in llama_cpp.Llama: the same kernels give the same greedy tokens.
+    """
     for name, value, lo in (("n_ctx", n_ctx, 8), ("n_batch", n_batch, 1), ("n_seq_max", n_seq_max, 1)):
         if not isinstance(value, int) or value < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -106,6 +110,7 @@ def new_context(
     params.n_threads = threads
     params.n_threads_batch = threads
     params.no_perf = True
+    params.flash_attn_type = capi.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else capi.LLAMA_FLASH_ATTN_TYPE_DISABLED
     if ctx_other is not None:
         params.ctx_other = ctx_other
     ctx = capi.llama_init_from_model(model, params)
@@ -138,11 +143,13 @@ class Target:
         owned: bool = False,
         path: str | os.PathLike[str] | None = None,
         n_gpu_layers: int = 0,
+        flash_attn: bool = False,
     ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
         self.path: Path | None = Path(path) if path is not None else None
         self.n_gpu_layers = n_gpu_layers
+        self.flash_attn = flash_attn
         self._model = model
         self._ctx = ctx
         self._owned = owned
@@ -195,23 +202,31 @@ class Target:
         n_seq_max: int = 1,
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
+        flash_attn: bool = False,
         verbose: bool = False,
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both."""
         init_backend(verbose)
         model = load_model(path, n_gpu_layers=n_gpu_layers)
         try:
-            ctx = new_context(model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads)
+            ctx = new_context(
+                model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn
+            )
         except BaseException:
             capi.llama_model_free(model)
             raise
-        return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers)
+        return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
 
     @classmethod
     def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
         """Share an existing llama_cpp.Llama's model and context; closing the Target frees nothing."""
         return cls(
-            llama.model, llama.ctx, owned=False, path=llama.model_path, n_gpu_layers=llama.model_params.n_gpu_layers
+            llama.model,
+            llama.ctx,
+            owned=False,
+            path=llama.model_path,
+            n_gpu_layers=llama.model_params.n_gpu_layers,
+            flash_attn=llama.context_params.flash_attn_type == capi.LLAMA_FLASH_ATTN_TYPE_ENABLED,
         )
 
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
