@@ -14,7 +14,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import defaults
-from .controller import BlockController, CostModel
+from .controller import BlockController, CostModel, calibrate
 from .decoding import CacheState, GenerationConfig, Step, decode_steps
 from .drafter import Drafter
 from .sampling import SamplingParams
@@ -182,8 +182,6 @@ class Session:
     def _controller(self) -> BlockController:
         """A fresh acceptance profile per generation; the measured costs carry over between generations."""
         if self._costs is None:
-            from .controller import calibrate
-
             self._costs = calibrate(self.target, self.drafter)
         return BlockController(self.drafter.block_size - 1, self._costs)
 

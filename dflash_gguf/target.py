@@ -202,10 +202,14 @@ class Target:
         n_seq_max: int = 1,
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
-        flash_attn: bool = False,
+        flash_attn: bool = True,
         verbose: bool = False,
     ) -> "Target":
-        """Load a GGUF and create its context; the Target owns both."""
+        """Load a GGUF and create its context; the Target owns both.
+
+        Flash attention is on by default: with it libllama's batched and single-token decodes give
+        bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
+        """
         init_backend(verbose)
         model = load_model(path, n_gpu_layers=n_gpu_layers)
         try:
