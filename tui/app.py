@@ -15,7 +15,6 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input
 
 from dflash_gguf.tui.commands import ChatCommands
@@ -27,7 +26,7 @@ from dflash_gguf.tui.messages import (
     StepArrived,
 )
 from dflash_gguf.tui.options import ChatOptions
-from dflash_gguf.tui.provenance import Piece, ProvenanceSplitter
+from dflash_gguf.tui.provenance import Piece
 from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.widgets import (
     AssistantMessage,
@@ -37,7 +36,8 @@ from dflash_gguf.tui.widgets import (
     Transcript,
     UserMessage,
 )
-from dflash_gguf.tui.worker import ChatSession, SessionWorker
+from dflash_gguf.session import Session
+from dflash_gguf.tui.worker import SessionWorker
 
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
 FLUSH_INTERVAL_S = 1 / 20
@@ -50,7 +50,6 @@ class Reply:
     turn: int
     widget: AssistantMessage
     speculative: bool
-    splitter: ProvenanceSplitter
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: ReplyStats = field(default_factory=ReplyStats)
     parts: list[str] = field(default_factory=list)
@@ -82,15 +81,16 @@ class ChatApp(App[None]):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    busy: reactive[bool] = reactive(False)
-
-    def __init__(self, session: ChatSession, options: ChatOptions | None = None) -> None:
+    def __init__(self, session: Session, options: ChatOptions | None = None) -> None:
         super().__init__()
         self.options = options or ChatOptions()
-        self.session = session
         self.worker = SessionWorker(session, self.post_message)
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
+        # a reply running, or one whose worker has not answered yet
+        self.busy = False
+        # what the panel shows when no reply runs: the last one's figures
+        self.last_stats = ReplyStats()
         self.last_reply_speed: float | None = None
         self.last_reply_text: str | None = None
         self.plain_tokens_per_s: float | None = None
@@ -109,7 +109,7 @@ class ChatApp(App[None]):
     def on_mount(self) -> None:
         self.sub_title = self._subtitle()
         self.set_interval(FLUSH_INTERVAL_S, self._flush)
-        self.stats_panel.show(ReplyStats(), self.plain_tokens_per_s, self.plain_note)
+        self._refresh_stats()
         self.query_one(PromptInput).focus()
         if self.options.calibrate_on_start:
             self._calibrate()
@@ -158,7 +158,7 @@ class ChatApp(App[None]):
         widget = AssistantMessage(role)
         if not speculative:
             widget.add_class("-compare")
-        self.reply = Reply(self._turns, widget, speculative, ProvenanceSplitter(self.session.token_bytes))
+        self.reply = Reply(self._turns, widget, speculative)
         self.transcript.mount(widget)
         self.busy = True
         self.stats_panel.show(self.reply.stats, self.plain_tokens_per_s, self.plain_note)
@@ -166,7 +166,9 @@ class ChatApp(App[None]):
         self._generate(self.reply.turn, messages, gen, self.reply.cancel)
 
     @work(thread=True, group="session")
-    def _generate(self, turn: int, messages: list[dict[str, str]], gen: dict[str, Any], cancel: threading.Event) -> None:
+    def _generate(
+        self, turn: int, messages: list[dict[str, str]], gen: dict[str, Any], cancel: threading.Event
+    ) -> None:
         self.worker.reply(turn, messages, gen, cancel)
 
     @work(thread=True, group="session")
@@ -186,7 +188,7 @@ class ChatApp(App[None]):
         if step.finish_reason is not None and not step.tokens and step.n_drafted == 0:
             reply.closing_note = step.reason
         reply.parts.append(step.text)
-        reply.pending.extend(reply.splitter.split(step))
+        reply.pending.extend(message.pieces)
         reply.dirty = True
 
     def _flush(self) -> None:
@@ -212,6 +214,7 @@ class ChatApp(App[None]):
                 status += f" ({reply.closing_note})"
                 self.notify(f"{reply.closing_note} — Ctrl+N starts a new chat", severity="warning")
         reply.widget.finish(text, status)
+        self.last_stats = reply.stats
         if reply.speculative:
             # a cancelled reply is kept, partial as it is, so the next turn continues from it
             self.history.append({"role": "assistant", "content": text})
@@ -229,6 +232,7 @@ class ChatApp(App[None]):
             return
         self._flush()
         reply.widget.fail(message.error)
+        self.last_stats = reply.stats
         if reply.speculative and self.history and self.history[-1]["role"] == "user":
             # the prompt that failed (e.g. context full) leaves the conversation, so the next one can run
             self.history.pop()
@@ -248,7 +252,7 @@ class ChatApp(App[None]):
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:
-        stats = self.reply.stats if self.reply is not None else ReplyStats()
+        stats = self.reply.stats if self.reply is not None else self.last_stats
         self.stats_panel.show(stats, self.plain_tokens_per_s, self.plain_note)
 
     # ---- actions ----------------------------------------------------------------------------
@@ -265,10 +269,11 @@ class ChatApp(App[None]):
             self.reply = None
             self.busy = False
         self.history.clear()
+        self.last_stats = ReplyStats()
         self.last_reply_speed = None
         self.last_reply_text = None
         self.transcript.remove_children()
-        self.stats_panel.show(ReplyStats(), self.plain_tokens_per_s, self.plain_note)
+        self._refresh_stats()
         self.stats_panel.show_compare(None, None, None)
         self.query_one(PromptInput).focus()
 
@@ -281,7 +286,9 @@ class ChatApp(App[None]):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
         self.history.pop()
-        replies = [w for w in self.transcript.query(AssistantMessage) if not (w.has_class("-compare") or w.has_class("-failed"))]
+        replies = [
+            w for w in self.transcript.query(AssistantMessage) if not (w.has_class("-compare") or w.has_class("-failed"))
+        ]
         if replies:
             for widget in self.transcript.children[self.transcript.children.index(replies[-1]) :]:
                 widget.remove()

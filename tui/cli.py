@@ -95,7 +95,8 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, options = parse_options(argv)
-    from dflash_gguf.session import Session  # imported late: `--help` and flag errors stay instant
+    # imported late: `--help` and flag errors stay instant
+    from dflash_gguf.session import Session
 
     print(f"{PROG}: loading models…", file=sys.stderr, flush=True)
     try:
@@ -106,12 +107,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_gpu_layers=args.n_gpu_layers,
             n_threads=args.n_threads,
         )
-    except (ValueError, OSError) as error:  # a file that is not a usable target/drafter pair
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as error:  # files that are not a usable target/drafter pair
+        print(f"{PROG}: error: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}", file=sys.stderr)
         return 2
-    from dflash_gguf.tui.app import ChatApp
-
     with session:
+        drafter = session.drafter
+        if args.block_size is not None and drafter is not None and args.block_size > drafter.block_size:
+            print(
+                f"{PROG}: error: argument --block-size: {args.block_size} exceeds the drafter's block size "
+                f"{drafter.block_size}",
+                file=sys.stderr,
+            )
+            return 2
+        from dflash_gguf.tui.app import ChatApp
+
         ChatApp(session, options).run()
     return 0
 

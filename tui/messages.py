@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from dflash_gguf.tui.provenance import StepLike
+from dflash_gguf.tui.provenance import Piece, StepLike
 
 
 class StepArrived(Message):
-    """One decoding cycle of reply `turn`, with the perf_counter time the worker received it."""
+    """One decoding cycle of reply `turn`: the Step, its text split by provenance, and the perf_counter
+    time the worker received it."""
 
-    def __init__(self, turn: int, step: StepLike, at: float) -> None:
+    def __init__(self, turn: int, step: StepLike, pieces: list[Piece], at: float) -> None:
         super().__init__()
         self.turn = turn
         self.step = step
+        self.pieces = pieces
         self.at = at
 
 

@@ -73,8 +73,11 @@ class ReplyStats:
 
     @property
     def tau(self) -> float | None:
-        """Mean tokens committed per decoding cycle (the acceptance length)."""
-        return self._tokens_after_first / self.cycles if self.cycles else None
+        """The acceptance length: accepted drafts plus the target's own token, averaged over cycles.
+
+        Counted from the verification, not from Step.tokens, which leave out an end-of-generation token.
+        """
+        return self.accepted / self.cycles + 1.0 if self.cycles else None
 
     def slot_rates(self) -> list[float]:
         """How often each block slot's draft token was accepted, among cycles that drafted it."""

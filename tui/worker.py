@@ -2,16 +2,20 @@
 
 One Session call at a time (a lock), because a reply and a calibration share the Session's KV caches.
 Cancellation is checked between cycles, so a cancelled reply keeps every token already committed.
+The UI thread never touches the Session: even the provenance split of each Step's text happens here.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from textual.message import Message
 
+from dflash_gguf import session as session_module
+from dflash_gguf.decoding import Step
+from dflash_gguf.session import Session
 from dflash_gguf.tui.calibration import measure_plain_speed
 from dflash_gguf.tui.messages import (
     CalibrationFailed,
@@ -20,16 +24,20 @@ from dflash_gguf.tui.messages import (
     ReplyFinished,
     StepArrived,
 )
+from dflash_gguf.tui.provenance import ProvenanceSplitter
 
 
-class ChatSession(Protocol):
-    """What the chat needs of a dflash_gguf Session."""
+def stream_chat(session: Session, messages: Sequence[dict[str, str]], **gen: Any) -> Iterator[Step]:
+    """Session.chat, one Step per cycle: the GGUF chat template, its stop strings, the cached prefix reused.
 
-    def stream(self, prompt: str, **gen: Any) -> Any: ...
-
-    def stream_chat(self, messages: Sequence[dict[str, str]], **gen: Any) -> Any: ...
-
-    def token_bytes(self, token: int) -> bytes: ...
+    Session has no public chat-streaming method yet (Session.stream_chat is requested from the runtime);
+    until then this is Session.chat's body with the Steps handed out instead of collected.
+    """
+    prompt, template_stops = session._render(messages)
+    stop = gen.pop("stop", None)
+    user_stops = [stop] if isinstance(stop, str) else list(stop or [])
+    config = session_module._config(stop=user_stops + template_stops, **gen)
+    return session._steps(session._tokenize(prompt, add_special=False), config)
 
 
 def one_line(error: BaseException) -> str:
@@ -41,7 +49,7 @@ def one_line(error: BaseException) -> str:
 class SessionWorker:
     """Runs Session calls for the app, one at a time; `post` is the app's thread-safe post_message."""
 
-    def __init__(self, session: ChatSession, post: Callable[[Message], object]) -> None:
+    def __init__(self, session: Session, post: Callable[[Message], object]) -> None:
         self._session = session
         self._post = post
         self._lock = threading.Lock()
@@ -62,11 +70,12 @@ class SessionWorker:
             if cancel.is_set() or self.closing.is_set():
                 self._post(ReplyFinished(turn, None, True))
                 return
+            splitter = ProvenanceSplitter(self._session.target.token_bytes)
             try:
-                steps = self._session.stream_chat(list(messages), **gen_kwargs)
+                steps = stream_chat(self._session, list(messages), **gen_kwargs)
                 try:
                     for step in steps:
-                        self._post(StepArrived(turn, step, time.perf_counter()))
+                        self._post(StepArrived(turn, step, splitter.split(step), time.perf_counter()))
                         finish_reason = step.finish_reason
                         if finish_reason is None and (cancel.is_set() or self.closing.is_set()):
                             cancelled = True
