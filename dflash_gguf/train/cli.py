@@ -14,7 +14,7 @@ from typing import Sequence
 from .config import TrainConfig
 from .errors import TrainError
 
-STAGES = ("all", "data", "train", "export")
+STAGES = ("all", "data", "train", "export", "tau")
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--gguf", type=Path, help="drafter GGUF path (default: OUT/drafter.gguf)")
     g.add_argument("--outtype", default=d.outtype, help="f32, f16, bf16 or q8_0")
+    g.add_argument("--tau-prompts", type=int, default=d.tau_prompts_per_category, help="held-out prompts per category for the Session τ")
+    g.add_argument("--tau-max-tokens", type=int, default=d.tau_max_tokens)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -96,6 +98,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         steps=a.steps, lr=a.lr, warmup=a.warmup, batch_sequences=a.batch_sequences,
         blocks_per_sequence=a.blocks, gamma=a.gamma, eval_every=a.eval_every, save_every=a.save_every,
         seed=a.seed, device=a.device, dtype=a.dtype, gguf=a.gguf, outtype=a.outtype,
+        tau_prompts_per_category=a.tau_prompts, tau_max_tokens=a.tau_max_tokens,
     )
 
 

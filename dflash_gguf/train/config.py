@@ -51,6 +51,9 @@ class TrainConfig:
     # output
     gguf: Path | None = None  # None: OUT/drafter.gguf
     outtype: str = "f16"
+    # Session τ on held-out prompts (stage "tau")
+    tau_prompts_per_category: int = 10
+    tau_max_tokens: int = 128
 
     def validate(self) -> None:
         """TrainError for values no run could use."""

@@ -205,6 +205,7 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("embed", embed.float(), persistent=False)
         head = self.embed if head is None else head.float()
+        self.register_buffer("full_head", head, persistent=False)
         if d2t is None:
             self.d2t = None
             self.register_buffer("lm_head_weight", head, persistent=False)
@@ -274,11 +275,11 @@ class Drafter(nn.Module):
         tensors = load_file(str(directory / CHECKPOINT_WEIGHTS))
         d2t = tensors.pop("d2t", None)
         tensors.pop("t2d", None)
-        head = tensors.pop("lm_head.weight", None)
+        own_head = tensors.pop("lm_head.weight", None)
         model = cls(cfg, embed, head, d2t=None if d2t is None else checkpoint_d2t(d2t))
         model.load_state_dict(tensors)
-        if head is not None:
-            model.lm_head_weight.copy_(head)
+        if own_head is not None:
+            model.lm_head_weight.copy_(own_head)
         return model
 
 

@@ -32,6 +32,7 @@ class RunData:
     layer_ids: list[int]  # HF ids
     train: FeatureCache
     eval: FeatureCache
+    train_prompts: list[Prompt]
     test_prompts: list[Prompt]
 
 
@@ -122,21 +123,21 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
                 bar.close()
         finally:
             target.close()
-    return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], test)
+    return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], train, test)
 
 
 def load_data(cfg: TrainConfig) -> RunData:
     """The caches an earlier data stage wrote (no generation)."""
     spec = read_target_spec(cfg.target, cfg.mask_token_id)
     layer_ids = resolve_layers(cfg, spec)
-    _, test = split(cfg)
+    train_prompts, test = split(cfg)
     out = Path(cfg.out)
     train, ev = FeatureCache.open(out / TRAIN_DATA), FeatureCache.open(out / EVAL_DATA)
     if train.manifest.target_fingerprint != spec.info.fingerprint or train.manifest.target_layers != hf_layer_to_gguf(layer_ids):
         raise TrainError(f"{out / TRAIN_DATA}: the cache was made for another target or layer set")
     if not train.records:
         raise TrainError(f"{out / TRAIN_DATA}: the feature cache holds no sequences; run the data stage first")
-    return RunData(spec, layer_ids, train, ev, test)
+    return RunData(spec, layer_ids, train, ev, train_prompts, test)
 
 
 @dataclass
@@ -150,7 +151,7 @@ class RunResult:
 
 
 def run(cfg: TrainConfig, *, stage: str = "all", progress: bool = True) -> RunResult:
-    """Run the stages of `stage` ("all", "data", "train" or "export") and say what they made."""
+    """Run the stages of `stage` ("all", "data", "train", "export" or "tau") and say what they made."""
     cfg.validate()
     result = RunResult(lines=[])
     data = None
@@ -170,7 +171,30 @@ def run(cfg: TrainConfig, *, stage: str = "all", progress: bool = True) -> RunRe
     if stage in ("all", "export"):
         from .export import export
 
-        data = data or load_data(cfg)
-        result.gguf = export(cfg, data)
-        result.lines.append(f"gguf: {result.gguf}")
+        result.gguf, note = export(cfg)
+        result.lines.append(f"gguf: {result.gguf}{note}")
+    if stage in ("all", "tau"):
+        result.lines.extend(measure_tau(cfg, progress=progress).lines())
     return result
+
+
+def measure_tau(cfg: TrainConfig, *, progress: bool = True):
+    """Session τ of OUT's GGUF on held-out prompts, saved to OUT/session_tau.json."""
+    from dataclasses import asdict
+
+    from .evaluate import held_out_prompts, session_tau
+
+    gguf = cfg.gguf_path
+    if not gguf.is_file():
+        raise TrainError(f"{gguf} not found: run the export stage first")
+    hold = {p.id for p in load_prompts(cfg.hold_out)} if cfg.hold_out else set()
+    prompts = held_out_prompts(Path(cfg.out), cfg.prompts, cfg.tau_prompts_per_category, hold)
+    report = session_tau(
+        cfg.target, gguf, prompts, block_size=cfg.block_size, max_tokens=cfg.tau_max_tokens,
+        n_threads=cfg.threads, progress=progress,
+    )
+    out = Path(cfg.out) / "session_tau.json"
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"gguf": str(gguf), **asdict(report)}, indent=1))
+    tmp.replace(out)
+    return report

@@ -30,6 +30,7 @@ class TargetSpec:
     context_length: int
     mask_token_id: int
     mask_token_text: str
+    eog_ids: tuple[int, ...]  # end-of-generation tokens (eos, eot, eom)
 
 
 def read_target_spec(path: Path, mask_token_id: int | None = None) -> TargetSpec:
@@ -74,6 +75,9 @@ def read_target_spec(path: Path, mask_token_id: int | None = None) -> TargetSpec
         context_length=int(key("context_length", 4096)),
         mask_token_id=int(mask_token_id),
         mask_token_text=tokens[mask_token_id],
+        eog_ids=tuple(
+            int(v) for k in ("eos", "eot", "eom") if (v := field_value(reader, f"tokenizer.ggml.{k}_token_id")) is not None
+        ),
     )
 
 
