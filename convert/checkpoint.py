@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import CheckpointTensor, read_safetensors_index
 from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
@@ -39,6 +41,7 @@ class DraftConfig:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    draft_vocab_size: int | None  # reduced draft vocabulary (`d2t` + own lm_head); None = the target's
     rms_norm_eps: float
     target_layer_ids: tuple[int, ...]  # HF: indices of target layer outputs
     block_size: int
@@ -124,6 +127,16 @@ def read_config(path: Path) -> DraftConfig:
     if mask_id >= vocab:
         raise ConversionError(f"{path}: mask_token_id {mask_id} is outside the vocabulary of {vocab}")
 
+    draft_vocab = hparams.get("draft_vocab_size")
+    if draft_vocab is not None:
+        draft_vocab = _int(hparams, "draft_vocab_size", path)
+        if draft_vocab > vocab:
+            raise ConversionError(f"{path}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
+        if draft_vocab == vocab:
+            draft_vocab = None
+        elif kind == "dflash2":
+            raise ConversionError(f"{path}: a reduced draft vocabulary is not supported for DFlash2 (its selector spans the full vocabulary)")
+
     if kind == "dflash2":
         values = {k: _int(hparams, k, path) for k in DFLASH2_KEYS}
         if hidden % values["conv_group_size"]:
@@ -142,6 +155,7 @@ def read_config(path: Path) -> DraftConfig:
         num_kv_heads=_int(hparams, "num_key_value_heads", path),
         head_dim=int(head_dim),
         vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
         rms_norm_eps=float(eps),
         target_layer_ids=tuple(layer_ids),
         block_size=_int(hparams, "block_size", path) if draft_value(hparams, "block_size") is not None else DEFAULT_BLOCK_SIZE,
@@ -191,6 +205,10 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                 Tensors.SELECTOR_HIDDEN: (rank, h),
             }
         )
+    if cfg.draft_vocab_size is not None:
+        # reduced vocabulary: the draft rows' target ids (as offsets, upstream's convention) and their own head
+        shapes[Tensors.D2T] = (cfg.draft_vocab_size,)
+        shapes[Tensors.OUTPUT] = (cfg.draft_vocab_size, h)
     for bid in range(cfg.num_layers):
         shapes.update({name.format(bid=bid): shape for name, shape in per_layer.items()})
     return shapes
@@ -288,9 +306,29 @@ def load_checkpoint(src: str | Path) -> Checkpoint:
         if name not in required and _optional_shape(cfg, name, tensor) is None:
             raise ConversionError(f"{tensor.file}: unexpected tensor {tensor.name} for this config")
 
+    if Tensors.D2T in found:
+        check_d2t(found[Tensors.D2T], cfg)
+
     ordered = {name: found[name] for name in required}
     ordered.update({name: t for name, t in found.items() if name not in ordered})
     return Checkpoint(source=src, config_path=config_path, config=cfg, tensors=ordered)
+
+
+def d2t_target_ids(tensor: CheckpointTensor) -> np.ndarray:
+    """The absolute target token id of every draft row: checkpoints store offsets (id - row), GGUF ids."""
+    offsets = tensor.read()
+    return offsets + np.arange(offsets.size, dtype=np.int64)
+
+
+def check_d2t(tensor: CheckpointTensor, cfg: DraftConfig) -> None:
+    """The draft-to-target map must name distinct target tokens inside the vocabulary."""
+    if tensor.dtype not in ("I64", "I32"):
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} must hold integers, not {tensor.dtype}")
+    ids = d2t_target_ids(tensor)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} maps draft rows outside the vocabulary of {cfg.vocab_size}")
+    if np.unique(ids).size != ids.size:
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} maps two draft rows to the same target token")
 
 
 def _hf_name(gguf_name: str, num_layers: int) -> str:
@@ -305,10 +343,7 @@ def _hf_name(gguf_name: str, num_layers: int) -> str:
 def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tuple[int, ...] | None:
     """The shape an optional tensor (own embeddings, own full-vocabulary head) must have; None if not allowed."""
     if name == Tensors.D2T:
-        raise ConversionError(
-            f"{tensor.file}: reduced-vocabulary drafters (tensor {tensor.name}) are not supported; "
-            f"DFlash drafters share the target's vocabulary"
-        )
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} needs draft_vocab_size in config.json")
     if name not in (Tensors.TOKEN_EMBD, Tensors.OUTPUT):
         return None
     shape = (cfg.vocab_size, cfg.hidden_size)

@@ -43,7 +43,7 @@ class CheckpointTensor:
     nbytes: int
 
     def read(self) -> np.ndarray:
-        """The tensor as float32 (bf16/f16 widen exactly; integers convert, as upstream does)."""
+        """The tensor as float32 (bf16/f16 widen exactly), or int64 for integer tensors such as `d2t`."""
         storage = _DTYPES[self.dtype]
         with open(self.file, "rb") as f:
             f.seek(self.offset)
@@ -53,6 +53,8 @@ class CheckpointTensor:
         data = np.frombuffer(raw, dtype=storage).reshape(self.shape)
         if self.dtype == "BF16":
             return (data.astype(np.uint32) << 16).view(np.float32)
+        if data.dtype.kind in "iub":
+            return data.astype(np.int64)
         return data.astype(np.float32)
 
 

@@ -17,9 +17,9 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from dflash_gguf.convert.checkpoint import Checkpoint, DraftConfig, draft_value
+from dflash_gguf.convert.checkpoint import Checkpoint, DraftConfig, d2t_target_ids, draft_value
 from dflash_gguf.convert.errors import ConversionError
-from dflash_gguf.schema import ARCH, Keys, hf_layer_to_gguf
+from dflash_gguf.schema import ARCH, Keys, Tensors, hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo
 
 Q = gguf.GGMLQuantizationType
@@ -41,6 +41,8 @@ _ROPE_PERMUTED = ("attn_q.weight", "attn_k.weight", "attn_q_norm.weight", "attn_
 def tensor_type(name: str, shape: tuple[int, ...], source_dtype: str, outtype: str | None) -> Q:
     """Upstream's rule: 1-D tensors, norms and non-`.weight` tensors (conv bases, d2t) stay f32;
     the rest take --outtype, or keep their checkpoint precision; q8_0 rows not divisible by 32 fall back to f16."""
+    if name == Tensors.D2T:
+        return Q.I64  # dflash.cpp asserts I64 before scattering draft logits with it
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return Q.F32
     if outtype is None:
@@ -185,7 +187,10 @@ def write_drafter_gguf(
             total = sum(t.nbytes for _, t, _ in plan)
             with tqdm(total=total, unit="B", unit_scale=True, desc=out.name, disable=not progress) as bar:
                 for name, t, qtype in plan:
-                    data = gguf.quants.quantize(_prepare(name, t.read(), cfg), qtype)
+                    if name == Tensors.D2T:
+                        data = d2t_target_ids(t)
+                    else:
+                        data = gguf.quants.quantize(_prepare(name, t.read(), cfg), qtype)
                     writer.write_tensor_data(data)
                     bar.update(t.nbytes)
             for fout in writer.fout or []:

@@ -125,9 +125,34 @@ def test_unexpected_tensor(capsys, ckpt, out):
     assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "unexpected tensor layers.0.extra.weight"))
 
 
-def test_reduced_vocabulary_drafter_is_refused(capsys, ckpt, out):
+def test_d2t_without_draft_vocab_size(capsys, ckpt, out):
     edit_tensors(ckpt, lambda t: t.update({"d2t": torch.zeros(1000, dtype=torch.int64)}))
-    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "d2t", "not supported"))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("model.safetensors", "d2t", "draft_vocab_size"))
+
+
+def reduce_vocabulary(ckpt: Path, target_ids: torch.Tensor, *, dtype=torch.int64) -> None:
+    """Give the checkpoint a reduced draft vocabulary: offsets `d2t` (id - row) and its own head rows."""
+    n = len(target_ids)
+    edit_config(ckpt, draft_vocab_size=n)
+    offsets = (target_ids - torch.arange(n)).to(dtype)
+    edit_tensors(ckpt, lambda t: t.update({"d2t": offsets, "lm_head.weight": torch.zeros(n, HIDDEN_SIZE, dtype=torch.bfloat16)}))
+
+
+@pytest.mark.parametrize(
+    "ids, problem",
+    [
+        (torch.tensor([5, 70000, 9]), "outside the vocabulary"),
+        (torch.tensor([5, 5, 9]), "same target token"),
+    ],
+)
+def test_bad_d2t_map(capsys, ckpt, out, ids, problem):
+    reduce_vocabulary(ckpt, ids)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("d2t", problem))
+
+
+def test_float_d2t_map(capsys, ckpt, out):
+    reduce_vocabulary(ckpt, torch.tensor([5, 6, 9]), dtype=torch.float32)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("d2t", "integers"))
 
 
 def test_truncated_safetensors(capsys, ckpt, out):
