@@ -222,10 +222,8 @@ class BlockController:
             reason = f"probe draft {best_n} after {self._probe_after} plain cycles: {self._describe(best_n, expected)}"
             return BlockChoice(best_n, reason, best_rate)
         self._plain_streak += 1
-        reason = (
-            f"plain: drafts rarely accepted (best draft {best_n}: {self._describe(best_n, expected)}) "
-            f"< plain {plain_rate:.0f} tok/s"
-        )
+        why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
+        reason = f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
         return BlockChoice(0, reason, plain_rate)
 
     def observe(self, n_draft: int, n_accepted: int) -> None:

@@ -5,6 +5,7 @@ Runs are tiny (two prompts, a few tokens): they check what the report contains, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,60 @@ def test_kernel_measurement_reports_every_size(embedded_target) -> None:
     data = report.to_dict()
     (variant,) = data["variants"]
     assert sorted(variant["seconds"]) == [1, 4] and all(len(v) == 2 for v in variant["seconds"].values())
-    assert variant["ratio"][1] == 1.0 and variant["ratio"][4] > 0
+    assert all(len(v) == 2 for v in variant["cpu_seconds"].values())
+    assert variant["ratio"][1] == 1.0 and variant["ratio"][4] > 0 and variant["cpu_ratio"][4] > 0
     assert variant["argmax_agreement"] == 1.0  # the reference agrees with itself
     assert "CPU" in data["system_info"]
     table = kernels.to_markdown(report)
     assert "| Q4_1 (as shipped) |" in table and "t(4)/t(1)" in table
 
+
+
+def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_path) -> None:
+    out = tmp_path / "results"
+    rc, stdout, err = run_cli(
+        [
+            "--categories", "math", "code", "--limit", "1", "--max-tokens", "6", "--repeats", "1",
+            "--threads", "2", "--drafter", str(dflash_gguf_path), "--out", str(out), "--name", "tiny",
+            "--peers", "lookup", "reference",
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    data = json.loads((out / "tiny.json").read_text())
+    assert [p["category"] for p in data["prompts"]] == ["math", "code"]
+    for p in data["prompts"]:
+        assert {r["mode"] for r in p["runs"]} == {"plain", "dflash"}
+        assert p["speedup"] > 0
+        assert isinstance(p["outputs_identical"], bool)
+        for mode in ("plain", "dflash"):
+            s = p[mode]
+            assert s["decode_tokens_per_s"] > 0 and s["ttft_s"] > 0 and s["prefill_s"] > 0
+            assert s["verify_ms_per_cycle"] > 0 and 0 <= s["overhead_share"] < 1
+            assert s["n_tokens"] >= 1
+        assert p["dflash"]["tau"] >= 1.0
+        assert isinstance(p["dflash"]["acceptance_histogram"], list)
+    summary = data["summary"]
+    assert set(summary) == {"all", "math", "code"}
+    assert summary["all"]["prompts"] == 2 and summary["all"]["median_speedup"] > 0
+    assert data["machine"]["backend"] == "CPU" and data["machine"]["n_threads"] == 2
+    assert data["machine"]["llama_cpp_python"] == "0.3.36"
+    assert data["memory"]["peak_rss_final_mib"] > 50 and "ru_maxrss" in data["memory"]["memory_note"]
+    peers = {p["name"]: p for p in data["peers"]}
+    lookup = peers["llama-cpp-python LlamaPromptLookupDecoding"]
+    assert lookup["available"] and lookup["overall"]["decode_tokens_per_s"] > 0
+    reference = peers["z-lab dflash_generate (reference)"]
+    assert not reference["available"] and "--reference-drafter" in reference["reason"]
+
+    markdown = (out / "tiny.md").read_text()
+    assert "## Summary by category" in markdown and "| gsm8k_train-7467 | math |" in markdown
+    assert "unavailable — needs --reference-drafter" in markdown
+    assert markdown in stdout
+
+    import matplotlib.image
+
+    png = out / "tiny.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert (width, height) == (1000, 400)
+    assert sorted(f.name for f in out.iterdir()) == ["tiny.json", "tiny.md", "tiny.png"]  # no temp files left

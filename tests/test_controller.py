@@ -106,6 +106,14 @@ def test_cheaper_batched_kernels_favour_larger_blocks() -> None:
     assert fast.choose().n_draft > slow.choose().n_draft
 
 
+def test_plain_from_the_start_when_verification_is_too_costly() -> None:
+    # batches cost like single steps times n: nothing a prior can expect pays for the draft
+    linear = {n: 0.011 * n for n in (1, 2, 4, 8, 16)}
+    choice = BlockController(MAX_DRAFT, CostModel(linear, dict(DRAFT))).choose()
+    assert choice.n_draft == 0
+    assert choice.reason.startswith("plain: verifying costs too much here (best draft")
+
+
 def test_online_timing_updates_change_the_decision() -> None:
     controller = BlockController(MAX_DRAFT, costs())
     run(controller, 1.0, 20, np.random.default_rng(0))

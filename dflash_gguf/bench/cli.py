@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true",
                    help="instead: time target batches of 1..16 tokens for the target and its Q4_0/Q8_0 requantizations")
     p.add_argument("--requant-dir", type=Path, help="with --kernels: keep requantized files here (default: a temp dir)")
+    p.add_argument("--no-flash-attn", action="store_true",
+                   help="with --kernels: measure with flash attention off (the Session turns it on)")
     return p
 
 
@@ -91,11 +93,11 @@ def _kernels(args: argparse.Namespace) -> int:
         if not args.requant_dir.is_dir():
             raise ValueError(f"{args.requant_dir}: --requant-dir must be an existing directory")
         variants = kernels.prepare_variants(source, args.requant_dir, n_threads=threads)
-        report = kernels.measure(variants, repeats=args.repeats, n_threads=threads)
+        report = kernels.measure(variants, repeats=args.repeats, n_threads=threads, flash_attn=not args.no_flash_attn)
     else:
         with tempfile.TemporaryDirectory(prefix="dflash-requant-") as tmp:
             variants = kernels.prepare_variants(source, Path(tmp), n_threads=threads)
-            report = kernels.measure(variants, repeats=args.repeats, n_threads=threads)
+            report = kernels.measure(variants, repeats=args.repeats, n_threads=threads, flash_attn=not args.no_flash_attn)
     table = kernels.to_markdown(report)
     with atomic_output(out / f"{args.name}-kernels.json", force=True) as tmp:
         tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")

@@ -7,6 +7,7 @@ requantizations (Q4_0, Q8_0), interleaved so machine load hits every variant ali
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,16 +24,6 @@ from dflash_gguf.target import Target, check_gguf_file, init_backend
 REQUANT_FTYPES = {"Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16)
 CONTEXT_TOKENS = 64  # verification happens after a prompt, not at position 0
-
-# teacher-forced text for the argmax-agreement check between quantizations (written for this project)
-AGREEMENT_TEXT = (
-    "To compute the area of a circle, square the radius and multiply by pi. For a radius of three "
-    "centimetres this gives about 28.27 square centimetres. In Python, a function that returns the area "
-    "takes the radius as an argument: def area(r): return math.pi * r ** 2. Calling area(3) prints the "
-    "same value. A kind reply to a friend who asks for help moving house might be: of course, I can come "
-    "on Saturday morning and bring some boxes."
-)
-
 
 def requantize(src: Path, dst: Path, quant: str, *, n_threads: int = 2) -> Path:
     """Requantize a GGUF to `quant` (Q4_0 or Q8_0) once, keeping the Q8_0 token embedding / tied LM head.
@@ -58,28 +49,33 @@ def requantize(src: Path, dst: Path, quant: str, *, n_threads: int = 2) -> Path:
 
 @dataclass
 class VariantCosts:
-    """One quantization's measured batch costs: seconds per repeat for each batch size."""
+    """One quantization's measured batch costs per batch size: wall and process CPU seconds, per repeat.
+
+    On a shared machine wall time depends on what else runs; with one thread, the process CPU time of a
+    decode does not (no other thread to wait for), so its median is the steadiest figure.
+    """
 
     name: str
     path: str
     file_bytes: int
     seconds: dict[int, list[float]] = field(default_factory=dict)
+    cpu_seconds: dict[int, list[float]] = field(default_factory=dict)
     argmax_agreement: float | None = None  # share of positions whose argmax matches the reference variant
 
     def best_s(self, n: int) -> float:
-        """The fastest repeat: the one least disturbed by other processes on a shared machine."""
+        """The fastest repeat: the one least disturbed by other processes."""
         return min(self.seconds[n])
 
-    def median_s(self, n: int) -> float:
-        return statistics.median(self.seconds[n])
+    def cpu_s(self, n: int) -> float:
+        return statistics.median(self.cpu_seconds[n])
 
     def ratio(self, n: int) -> float:
-        """t(n)/t(1) from the fastest repeats."""
+        """t(n)/t(1), wall time of the fastest repeats."""
         return self.best_s(n) / self.best_s(1)
 
-    def median_ratio(self, n: int) -> float:
-        """Median over repeats of t(n)/t(1) within a repeat (both timings from the same moment)."""
-        return statistics.median(tn / t1 for tn, t1 in zip(self.seconds[n], self.seconds[1]))
+    def cpu_ratio(self, n: int) -> float:
+        """t(n)/t(1), median process CPU time."""
+        return self.cpu_s(n) / self.cpu_s(1)
 
 
 @dataclass
@@ -88,15 +84,17 @@ class KernelReport:
     sizes: list[int]
     repeats: int
     n_threads: int
+    flash_attn: bool
     system_info: str
+    load_average: tuple[float, float, float]
 
     def to_dict(self) -> dict:
         out = asdict(self)
         for v, d in zip(self.variants, out["variants"]):
             d["best_ms"] = {n: v.best_s(n) * 1e3 for n in self.sizes}
-            d["median_ms"] = {n: v.median_s(n) * 1e3 for n in self.sizes}
+            d["cpu_ms"] = {n: v.cpu_s(n) * 1e3 for n in self.sizes}
             d["ratio"] = {n: v.ratio(n) for n in self.sizes}
-            d["median_ratio"] = {n: v.median_ratio(n) for n in self.sizes}
+            d["cpu_ratio"] = {n: v.cpu_ratio(n) for n in self.sizes}
         return out
 
 
@@ -106,10 +104,12 @@ def measure(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 10,
     n_threads: int = 2,
+    flash_attn: bool = True,
 ) -> KernelReport:
     """Time a target batch of each size (all rows output logits, as verification needs) for each variant.
 
     Every repeat visits every variant and size in a rotating order; a warm-up pass comes first.
+    flash_attn defaults to on, as the Session opens its target.
     """
     if not variants:
         raise ValueError("no model variants to measure")
@@ -118,13 +118,16 @@ def measure(
     sizes = sorted(set(int(n) for n in sizes) | {1})
     if sizes[0] < 1:
         raise ValueError("batch sizes must be >= 1")
-    n_batch = max(max(sizes), 512)  # the agreement text goes in one batch
+    n_batch = max(max(sizes), 512)  # each agreement prompt goes in one batch
     targets = {
-        name: Target.open(path, n_ctx=1024, n_batch=n_batch, n_threads=n_threads) for name, path in variants.items()
+        name: Target.open(path, n_ctx=1024, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn)
+        for name, path in variants.items()
     }
     try:
         results = {
-            name: VariantCosts(name, str(path), Path(path).stat().st_size, {n: [] for n in sizes})
+            name: VariantCosts(
+                name, str(path), Path(path).stat().st_size, {n: [] for n in sizes}, {n: [] for n in sizes}
+            )
             for name, path in variants.items()
         }
         context = _context_tokens(next(iter(targets.values())))
@@ -135,42 +138,53 @@ def measure(
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 for n in sizes:
-                    seconds = _time_batch(targets[name], context, n)
+                    seconds, cpu = _time_batch(targets[name], context, n)
                     if rep:
                         results[name].seconds[n].append(seconds)
+                        results[name].cpu_seconds[n].append(cpu)
         _argmax_agreement(targets, results)
     finally:
         for target in targets.values():
             target.close()
-    return KernelReport(list(results.values()), sizes, repeats, n_threads, llama_cpp.llama_print_system_info().decode())
+    system_info = llama_cpp.llama_print_system_info().decode()
+    return KernelReport(list(results.values()), sizes, repeats, n_threads, flash_attn, system_info, os.getloadavg())
+
+
+def _agreement_texts() -> list[str]:
+    """The built-in benchmark prompts: teacher-forced text for the argmax-agreement check."""
+    from .suite import load_suite
+
+    return [p.prompt for p in load_suite()]
 
 
 def _context_tokens(target: Target) -> list[int]:
-    tokens = target.tokenize(AGREEMENT_TEXT)
-    return (tokens * (CONTEXT_TOKENS // len(tokens) + 1))[:CONTEXT_TOKENS]
+    tokens = [t for text in _agreement_texts() for t in target.tokenize(text)]
+    return tokens[:CONTEXT_TOKENS]
 
 
-def _time_batch(target: Target, context: list[int], n: int) -> float:
+def _time_batch(target: Target, context: list[int], n: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one decode of n tokens after the context, then rolled back."""
     tokens = [context[i % len(context)] for i in range(n)]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     target.decode(tokens, len(context), logits=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     target.remove(0, len(context), -1)
-    return seconds
+    return seconds, cpu
 
 
 def _argmax_agreement(targets: dict[str, Target], results: dict[str, VariantCosts]) -> None:
-    """Teacher-forced next-token argmax of every variant against the first one (the shipped file)."""
-    argmax = {}
-    for name, target in targets.items():
-        tokens = target.tokenize(AGREEMENT_TEXT)
-        target.clear()
-        target.decode(tokens, 0, logits=True)
-        argmax[name] = np.argmax(target.output_logits(), axis=1)
-        target.clear()
-    reference = argmax[next(iter(targets))]
+    """Share of teacher-forced next-token argmaxes (over the built-in prompts) equal to the first variant's."""
+    argmax: dict[str, list[np.ndarray]] = {name: [] for name in targets}
+    for text in _agreement_texts():
+        for name, target in targets.items():
+            tokens = target.tokenize(text)[: target.n_batch]
+            target.clear()
+            target.decode(tokens, 0, logits=True)
+            argmax[name].append(np.argmax(target.output_logits(), axis=1))
+            target.clear()
+    reference = np.concatenate(argmax[next(iter(targets))])
     for name, tops in argmax.items():
-        results[name].argmax_agreement = float(np.mean(tops == reference))
+        results[name].argmax_agreement = float(np.mean(np.concatenate(tops) == reference))
 
 
 def prepare_variants(source: Path, workdir: Path, quants: Sequence[str] = ("Q4_0", "Q8_0"), *, n_threads: int = 2) -> dict[str, Path]:
@@ -192,22 +206,30 @@ def _file_type(path: Path) -> str:
 
 
 def to_markdown(report: KernelReport) -> str:
-    """The side-by-side table docs/BENCHMARKS.md quotes: fastest repeats, with medians in brackets."""
-    head = "| variant | file MiB | 1-token step ms | " + " | ".join(f"t({n})/t(1)" for n in report.sizes[1:])
-    head += " | step speed vs first | argmax agreement |"
-    rule = "|" + "---|" * (5 + len(report.sizes) - 1)
-    rows = [head, rule]
+    """The side-by-side tables docs/BENCHMARKS.md quotes: wall time (fastest repeat) and CPU time (median)."""
+    rows = []
     first = report.variants[0]
-    for v in report.variants:
-        ratios = " | ".join(f"{v.ratio(n):.2f}x ({v.median_ratio(n):.2f}x)" for n in report.sizes[1:])
-        agreement = "-" if v.argmax_agreement is None else f"{v.argmax_agreement * 100:.1f}%"
-        rows.append(
-            f"| {v.name} | {v.file_bytes / 2**20:.1f} | {v.best_s(1) * 1e3:.2f} ({v.median_s(1) * 1e3:.2f}) | {ratios} | "
-            f"{first.best_s(1) / v.best_s(1):.2f}x | {agreement} |"
-        )
-    rows.append("")
+    for title, step, ratio in (
+        ("wall time, fastest repeat", VariantCosts.best_s, VariantCosts.ratio),
+        ("process CPU time, median", VariantCosts.cpu_s, VariantCosts.cpu_ratio),
+    ):
+        rows.append(f"{title}:")
+        rows.append("")
+        head = "| variant | file MiB | 1-token step ms | " + " | ".join(f"t({n})/t(1)" for n in report.sizes[1:])
+        rows.append(head + " | step speed vs first | argmax agreement |")
+        rows.append("|" + "---|" * (5 + len(report.sizes) - 1))
+        for v in report.variants:
+            ratios = " | ".join(f"{ratio(v, n):.2f}x" for n in report.sizes[1:])
+            agreement = "-" if v.argmax_agreement is None else f"{v.argmax_agreement * 100:.1f}%"
+            rows.append(
+                f"| {v.name} | {v.file_bytes / 2**20:.1f} | {step(v, 1) * 1e3:.2f} | {ratios} | "
+                f"{step(first, 1) / step(v, 1):.2f}x | {agreement} |"
+            )
+        rows.append("")
+    load = ", ".join(f"{x:.1f}" for x in report.load_average)
     rows.append(
-        f"Fastest of {report.repeats} interleaved repeats (median in brackets), n_threads={report.n_threads}. "
-        f"Batches at positions {CONTEXT_TOKENS}.., every row outputs logits (as verification needs)."
+        f"{report.repeats} interleaved repeats, n_threads={report.n_threads}, flash attention "
+        f"{'on' if report.flash_attn else 'off'}, load average at the end {load}. Batches at positions "
+        f"{CONTEXT_TOKENS}.., every row outputs logits (as verification needs)."
     )
     return "\n".join(rows) + "\n"

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 
 from dflash_gguf.train.prompts import Prompt
 
+from dflash_gguf.target import default_threads
+
 from . import peers as peer_runs
 from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
@@ -56,24 +58,41 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _chat_steps(session, messages: list[dict], config: BenchConfig, mode: str):
+    """Session.chat's Steps, from a clean cache so every run prefills the whole prompt.
+
+    Session has no public chat-streaming method or cache reset yet (Session.stream_chat is requested from
+    the runtime; the chat UI bridges it the same way): this renders, forgets the cache and streams.
+    """
+    from dflash_gguf import session as session_module
+    from dflash_gguf.decoding import CacheState
+
+    prompt, stops = session._render(messages)
+    session._cache = CacheState()
+    gen = session_module._config(
+        max_tokens=config.max_tokens, temperature=0.0, stop=stops, speculative=mode == "dflash",
+        block_size=config.block_size,
+    )
+    return session._steps(session._tokenize(prompt, add_special=False), gen)
+
+
+def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
+    """The rendered chat prompt and its tokens, for the peers (same template, same tokens)."""
+    prompt, _ = session._render(messages)
+    return prompt, session._tokenize(prompt, add_special=False)
+
+
 def timed_generation(session, messages: list[dict], mode: str, repeat: int, config: BenchConfig) -> Generation:
     """One generation, timed from the caller's side; per-cycle figures from the Steps the runtime yields.
 
     A cycle's wall time is the time between two Steps; what draft_s and verify_s do not cover is the
-    loop's own cost (sampling/acceptance bookkeeping, KV rollback, detokenisation, the controller).
+    loop's own cost (acceptance bookkeeping, KV rollback, detokenisation, stop rules, the controller).
     """
-    session.reset()
     tokens: list[int] = []
     g = Generation(mode, repeat, tokens, prefill_s=0.0, ttft_s=0.0, decode_s=0.0)
     start = time.perf_counter()
     previous = first = start
-    for step in session.stream_chat(
-        messages,
-        max_tokens=config.max_tokens,
-        temperature=0.0,
-        speculative=mode == "dflash",
-        block_size=config.block_size,
-    ):
+    for step in _chat_steps(session, messages, config, mode):
         now = time.perf_counter()
         tokens.extend(step.tokens)
         if step.reason == "prefill":
@@ -120,6 +139,8 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     config.validate()
     session = Session(config.target, config.drafter, n_ctx=config.n_ctx, n_threads=config.n_threads)
     with session:
+        if session.drafter is None:
+            raise ValueError("no drafter: pass --drafter FILE.gguf (a dflash drafter converted for this target)")
         rss_loaded = _peak_rss_mib()
         conversations = {p.id: [{"role": "user", "content": p.prompt}] for p in config.prompts}
         if config.warmup:
@@ -136,12 +157,10 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
             results.append(PromptResult(p.id, p.category, runs))
             speedup = results[-1].speedup()
             progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {'-' if speedup is None else f'{speedup:.2f}x'}")
-        peer_prompts = [
-            peer_runs.PeerPrompt(p.id, *session.format_chat(conversations[p.id])) for p in config.prompts
-        ]
-        paths = session.paths()
-        n_threads = session.n_threads
-        block = session.block_size
+        peer_prompts = [peer_runs.PeerPrompt(p.id, *_chat_prompt(session, conversations[p.id])) for p in config.prompts]
+        paths = (session.target.path, session.drafter.path)
+        n_threads = config.n_threads or default_threads()
+        block = session.drafter.block_size
         rss_bench = _peak_rss_mib()
     peers = _run_peers(config, paths, peer_prompts, n_threads, block, progress)
     settings = {
