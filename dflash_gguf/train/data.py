@@ -227,13 +227,14 @@ def generate(
     Continuous batching: up to `n_parallel` sequences share each decode; a finished slot takes
     the next prompt (its whole prompt prefilled in the same batch). Stops early at `deadline`
     (time.time()), keeping every finished sequence. Returns the number of sequences written.
+    Each shard checks the free disk before it is written; `check_disk` with `estimate_cache_bytes`
+    checks the whole job up front.
     """
     params = SamplingParams(temperature=settings.temperature, seed=settings.seed)
     params.validate()
     rng = np.random.default_rng(settings.seed)
     done = cache.done_ids
     todo = [p for p in prompts if p.id not in done]
-    check_disk(cache.directory, estimate_cache_bytes(len(todo), settings, cache.manifest.row_bytes))
     pending = iter(todo)
     slots: list[_Slot | None] = [None] * settings.n_parallel
     finished: list[tuple[Prompt, np.ndarray, np.ndarray, int]] = []

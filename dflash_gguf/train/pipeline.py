@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ..schema import hf_layer_to_gguf
 from .config import TrainConfig
-from .data import FeatureCache, GenerationSettings, generate
+from .data import FeatureCache, GenerationSettings, check_disk, estimate_cache_bytes, generate
 from .errors import TrainError
 from .model import target_layer_ids
 from .prompts import Prompt, load_prompts, split_prompts, weighted_order
@@ -100,7 +100,11 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
         order = order[: cfg.max_prompts]
     eval_prompts = eval_subset(test, hold, cfg.eval_prompts_per_category)
     jobs = [(EVAL_DATA, eval_prompts), (TRAIN_DATA, order)]
-    if any(p.id not in caches[name].done_ids for name, ps in jobs for p in ps):
+    if cfg.max_seq_len > spec.context_length:
+        raise TrainError(f"max_seq_len {cfg.max_seq_len} exceeds the target's context length {spec.context_length}")
+    n_todo = sum(p.id not in caches[name].done_ids for name, ps in jobs for p in ps)
+    check_disk(out, estimate_cache_bytes(n_todo, settings, caches[TRAIN_DATA].manifest.row_bytes))
+    if n_todo:
         deadline = time.time() + cfg.generate_minutes * 60 if cfg.generate_minutes else None
         target = Target.open(
             cfg.target, n_ctx=cfg.parallel * cfg.max_seq_len, n_batch=512, n_seq_max=cfg.parallel,
