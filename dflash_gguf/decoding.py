@@ -141,8 +141,8 @@ def decode_steps(
     last = _pick(target.output_logits()[-1:], params, rng)
     prefill_s = time.perf_counter() - t0
 
+    step, done = _commit([last], text, target, config, 0)
     n_generated = 1
-    step, done = _commit([last], text, target, config, n_generated)
     yield Step(step.tokens, step.text, 0, 0, None, 1, "prefill", 0.0, prefill_s, done)
     n_past = len(prompt)
 

@@ -165,8 +165,10 @@ class Session:
         return self._collect(self._steps(tokens, config), len(tokens), config)
 
     def _steps(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
-        if self._llama is not None and self._llama.n_tokens:
-            self._cache = CacheState()  # the wrapped Llama decoded in between: our cached prefix is gone
+        if self._llama is not None:
+            if self._llama.n_tokens:
+                self._cache = CacheState()  # the wrapped Llama decoded in between: our cached prefix is gone
+            self._llama.reset()  # and it must not trust its own prefix once we have used the context
         speculative = config.speculative and self.drafter is not None
         if config.speculative and self.drafter is None and not self._warned_plain:
             warnings.warn("this Session has no drafter: decoding plainly", stacklevel=3)
