@@ -126,8 +126,10 @@ class BlockController:
 
     Acceptance is tracked per draft position as decayed Beta counts shrunk towards the pooled rate, so a
     few cycles are enough to react and positions never tried borrow from those that were. Once plain
-    decoding wins, the controller keeps to it and probes with a draft after a plain streak that doubles on
-    every failed probe: the cost of probing a drafter that never passes stays a few percent.
+    decoding wins, the controller keeps to it and probes with one draft (the cheapest cycle) after a plain
+    streak that doubles on every probe that did not pay for itself, so probing a drafter that never passes
+    costs a few percent; a probe that passes whole is followed at once by a longer one (3, 7, 15 drafts),
+    because on some machines only long blocks can pay.
     Call `choose` once per cycle, then `observe` with what happened.
     """
 
@@ -171,6 +173,7 @@ class BlockController:
         self._plain_streak = 0
         self._probe_after = probe_after
         self._probing = False
+        self._next_probe = 0  # > 0: the next cycle probes with this many drafts
 
     # -- acceptance profile -------------------------------------------------------------------------
 
@@ -216,11 +219,16 @@ class BlockController:
         if not self._aside:
             self._aside = True
             self._plain_streak = 0
-        if self._plain_streak >= self._probe_after:
+        if self._next_probe:  # the last probe passed whole: try a longer block at once
+            n = self._next_probe
+            self._next_probe = 0
+            self._probing = True
+            return BlockChoice(n, f"probe draft {n} (the last probe passed): {self._describe(n, expected)}", self._rate(n, expected))
+        if self._plain_streak >= self._probe_after:  # the cheapest draft tells whether drafts pass again
             self._plain_streak = 0
             self._probing = True
-            reason = f"probe draft {best_n} after {self._probe_after} plain cycles: {self._describe(best_n, expected)}"
-            return BlockChoice(best_n, reason, best_rate)
+            reason = f"probe draft 1 after {self._probe_after} plain cycles: {self._describe(1, expected)}"
+            return BlockChoice(1, reason, self._rate(1, expected))
         self._plain_streak += 1
         why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
         reason = f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
@@ -250,6 +258,8 @@ class BlockController:
             plain_rate = 1.0 / self.costs.plain_s
             if best > plain_rate:
                 self._aside = False
+            elif n_accepted == n_draft < self.max_draft:  # all passed: grow the probe before judging
+                self._next_probe = min(2 * n_draft + 1, self.max_draft)
             elif (n_accepted + 1) / self._cycle_s(n_draft) > plain_rate:
                 self._probe_after = self._base_probe_after  # the probe paid for itself: the profile may be turning
             else:  # wait twice as long before the next probe, so a hopeless drafter costs little
