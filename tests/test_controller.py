@@ -195,3 +195,19 @@ def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, 
             assert np.allclose(target.logits(0), before, atol=1e-4)
             controller = BlockController(drafter.block_size - 1, model)
             assert controller.choose().expected_tokens_per_s > 0
+
+
+def test_probes_are_cheap_and_grow_while_they_pass() -> None:
+    controller = BlockController(MAX_DRAFT, costs(), probe_after=4)
+    run(controller, 0.0, 12, np.random.default_rng(0))  # aside by now
+    choices = []
+    for _ in range(12):
+        choice = controller.choose()
+        choices.append(choice)
+        controller.observe(choice.n_draft, choice.n_draft)  # every draft passes from now on
+        if not choice.reason.startswith(("plain", "probe")):
+            break
+    probes = [c for c in choices if c.reason.startswith("probe")]
+    assert [c.n_draft for c in probes[:2]] == [1, 3]
+    assert probes[1].reason.startswith("probe draft 3 (the last probe passed)")
+    assert choices[-1].reason.startswith("draft ")  # back to speculating once the probes show drafts pass
