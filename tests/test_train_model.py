@@ -7,7 +7,8 @@ import pytest
 import torch
 from dflash.model import DFlashDraftModel
 
-from dflash_gguf.train.model import Drafter, DrafterConfig, target_layer_ids
+from dflash_gguf.train.model import Drafter, DrafterConfig
+from dflash_gguf.train.pipeline import target_layer_ids
 from dflash_gguf.train.recipe import attention_mask, block_inputs
 
 VOCAB, HIDDEN, N_FEAT, BLOCK = 120, 64, 3, 4

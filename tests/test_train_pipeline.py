@@ -113,7 +113,7 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(tiny):
     batch = trainer._train_batch()
     losses = []
     for _ in range(25):
-        loss, _, _ = trainer._forward(batch)
+        loss, _ = trainer._forward(batch)
         trainer.opt.zero_grad()
         loss.backward()
         trainer.opt.step()
@@ -148,3 +148,27 @@ def test_interrupted_training_resumes_where_it_stopped(tiny, tmp_path):
     resumed = torch.load(state, weights_only=False)
     assert resumed["step"] == stopped + 3
     assert f"step {stopped + 3}" in again.stdout
+
+
+def test_interrupted_generation_keeps_finished_answers_and_resumes(tiny, tmp_path):
+    from dflash_gguf.train.data import FeatureCache, GenerationSettings, generate
+    from dflash_gguf.train.prompts import load_prompts
+
+    cfg, _ = tiny
+    prompts = load_prompts(cfg.prompts)
+    settings = GenerationSettings(max_new_tokens=6, max_seq_len=160, n_parallel=1)
+    layers = hf_layer_to_gguf(load_data(cfg).layer_ids)
+
+    def stop_after_two(n_seq: int, n_tok: int, seconds: float) -> None:
+        if n_seq >= 2:
+            raise KeyboardInterrupt
+
+    with Target.open(cfg.target, n_ctx=160, n_batch=160, n_threads=1, flash_attn=True) as t:
+        t.capture(layers)
+        cache = FeatureCache.open_or_create(tmp_path, fingerprint="f", layers=layers, n_embd=t.n_embd, settings=settings)
+        with pytest.raises(KeyboardInterrupt):
+            generate(t, cache, prompts, settings, progress=stop_after_two)
+        assert len(FeatureCache.open(tmp_path).records) == 2
+        generate(t, FeatureCache.open(tmp_path), prompts, settings)
+    ids = [r.id for r in FeatureCache.open(tmp_path).records]
+    assert sorted(ids) == sorted(p.id for p in prompts)  # every prompt once, none twice

@@ -15,6 +15,7 @@ from .config import TrainConfig
 from .errors import TrainError
 
 STAGES = ("all", "data", "train", "export", "tau")
+TRAIN_EXTRA = ("torch", "safetensors", "transformers")
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -112,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run(cfg, stage=args.stage, progress=not args.quiet)
     except TrainError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name not in TRAIN_EXTRA:
+            raise
+        print(f"dflash-train: error: training needs {e.name}: pip install 'dflash-gguf[train]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dflash-train: interrupted; rerun the same command to resume", file=sys.stderr)

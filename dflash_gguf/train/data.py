@@ -260,49 +260,53 @@ def generate(
 
     for i in range(settings.n_parallel):
         refill(i)
-    while any(s is not None for s in slots):
-        if deadline is not None and time.time() > deadline:
-            break
-        tok_rows: list[int] = []
-        pos_rows: list[int] = []
-        seq_rows: list[int] = []
-        spans: list[tuple[int, int, int]] = []  # (slot, first row, n rows)
-        for i, s in enumerate(slots):
-            if s is None:
-                continue
-            new = s.tokens[s.n_decoded :]
-            if len(tok_rows) + len(new) > target.n_batch:
-                continue  # this prefill waits for a roomier batch
-            spans.append((i, len(tok_rows), len(new)))
-            tok_rows.extend(new)
-            pos_rows.extend(range(s.n_decoded, s.n_decoded + len(new)))
-            seq_rows.extend([i] * len(new))
-        out = np.zeros(len(tok_rows), dtype=bool)
-        for _, first, n in spans:
-            out[first + n - 1] = True
-        target.decode(tok_rows, pos_rows, seq_rows, logits=out)
-        feats = target.features(len(tok_rows)).astype(FEATURE_DTYPE)
-        logits = target.output_logits()
-        for k, (i, first, n) in enumerate(spans):
-            s = slots[i]
-            s.features.append(feats[first : first + n])
-            s.n_decoded += n
-            row = logits[k]
-            nxt = int(np.argmax(row)) if params.greedy else sample_token(probabilities(row, params), rng)
-            s.tokens.append(nxt)
-            n_generated += 1
-            n_response = len(s.tokens) - s.response_start
-            if target.is_eog(nxt) or n_response >= settings.max_new_tokens or len(s.tokens) >= settings.max_seq_len:
-                finished.append((s.prompt, np.asarray(s.tokens, dtype=np.int32), np.concatenate(s.features), s.response_start))
-                target.remove(i, 0, -1)
-                slots[i] = None
-                refill(i)
-        if len(finished) >= settings.shard_sequences:
-            cache.add_shard(finished, skipped)
-            n_written += len(finished)
-            finished, skipped = [], []
-        if progress is not None:
-            progress(n_written + len(finished), n_generated, time.time() - t0)
+    try:
+        while any(s is not None for s in slots):
+            if deadline is not None and time.time() > deadline:
+                break
+            tok_rows: list[int] = []
+            pos_rows: list[int] = []
+            seq_rows: list[int] = []
+            spans: list[tuple[int, int, int]] = []  # (slot, first row, n rows)
+            for i, s in enumerate(slots):
+                if s is None:
+                    continue
+                new = s.tokens[s.n_decoded :]
+                if len(tok_rows) + len(new) > target.n_batch:
+                    continue  # this prefill waits for a roomier batch
+                spans.append((i, len(tok_rows), len(new)))
+                tok_rows.extend(new)
+                pos_rows.extend(range(s.n_decoded, s.n_decoded + len(new)))
+                seq_rows.extend([i] * len(new))
+            out = np.zeros(len(tok_rows), dtype=bool)
+            for _, first, n in spans:
+                out[first + n - 1] = True
+            target.decode(tok_rows, pos_rows, seq_rows, logits=out)
+            feats = target.features(len(tok_rows)).astype(FEATURE_DTYPE)
+            logits = target.output_logits()
+            for k, (i, first, n) in enumerate(spans):
+                s = slots[i]
+                s.features.append(feats[first : first + n])
+                s.n_decoded += n
+                row = logits[k]
+                nxt = int(np.argmax(row)) if params.greedy else sample_token(probabilities(row, params), rng)
+                s.tokens.append(nxt)
+                n_generated += 1
+                n_response = len(s.tokens) - s.response_start
+                if target.is_eog(nxt) or n_response >= settings.max_new_tokens or len(s.tokens) >= settings.max_seq_len:
+                    finished.append((s.prompt, np.asarray(s.tokens, dtype=np.int32), np.concatenate(s.features), s.response_start))
+                    target.remove(i, 0, -1)
+                    slots[i] = None
+                    refill(i)
+            if len(finished) >= settings.shard_sequences:
+                cache.add_shard(finished, skipped)
+                n_written += len(finished)
+                finished, skipped = [], []
+            if progress is not None:
+                progress(n_written + len(finished), n_generated, time.time() - t0)
+    except KeyboardInterrupt:
+        cache.add_shard(finished, skipped)  # finished answers survive the interrupt
+        raise
     if finished or skipped:
         cache.add_shard(finished, skipped)
         n_written += len(finished)

@@ -19,18 +19,6 @@ CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_CONFIG = "config.json"
 
 
-def target_layer_ids(n_target_layers: int, n_features: int) -> list[int]:
-    """HF target layer ids (layer outputs) spread from the 2nd layer to the 4th from last.
-
-    The idea of z-lab's `build_target_layer_ids`: shallow, middle and deep features, skipping the
-    last layers that specialise in the target's own next token. One feature layer: the middle.
-    """
-    if n_features == 1:
-        return [n_target_layers // 2]
-    first, last = 1, n_target_layers - 3
-    return [round(first + i * (last - first) / (n_features - 1)) for i in range(n_features)]
-
-
 @dataclass
 class DrafterConfig:
     """Geometry of the drafter and of the target it serves (z-lab `config.json` fields)."""

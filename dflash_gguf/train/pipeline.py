@@ -17,7 +17,7 @@ from ..schema import hf_layer_to_gguf
 from .config import TrainConfig
 from .data import FeatureCache, GenerationSettings, check_disk, estimate_cache_bytes, generate
 from .errors import TrainError
-from .model import target_layer_ids
+from .interrupts import sigterm_as_interrupt
 from .prompts import Prompt, load_prompts, split_prompts, weighted_order
 from .target_spec import TargetSpec, read_target_spec
 
@@ -34,6 +34,18 @@ class RunData:
     eval: FeatureCache
     train_prompts: list[Prompt]
     test_prompts: list[Prompt]
+
+
+def target_layer_ids(n_target_layers: int, n_features: int) -> list[int]:
+    """HF target layer ids (layer outputs) spread from the 2nd layer to the 4th from last.
+
+    The idea of z-lab's `build_target_layer_ids`: shallow, middle and deep features, skipping the
+    last layers that specialise in the target's own next token. One feature layer: the middle.
+    """
+    if n_features == 1:
+        return [n_target_layers // 2]
+    first, last = 1, n_target_layers - 3
+    return [round(first + i * (last - first) / (n_features - 1)) for i in range(n_features)]
 
 
 def resolve_layers(cfg: TrainConfig, spec: TargetSpec) -> list[int]:
@@ -111,20 +123,21 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
             n_threads=cfg.threads, flash_attn=cfg.flash_attn,
         )
         try:
-            target.capture(gguf_layers)
-            for name, ps in jobs:
-                cache = caches[name]
-                todo = sum(p.id not in cache.done_ids for p in ps)
-                if not todo:
-                    continue
-                bar = tqdm(total=todo, desc=f"generate {name}", unit="seq", disable=not progress, dynamic_ncols=True)
+            with sigterm_as_interrupt():
+                target.capture(gguf_layers)
+                for name, ps in jobs:
+                    cache = caches[name]
+                    todo = sum(p.id not in cache.done_ids for p in ps)
+                    if not todo:
+                        continue
+                    bar = tqdm(total=todo, desc=f"generate {name}", unit="seq", disable=not progress, dynamic_ncols=True)
 
-                def report(n_seq: int, n_tok: int, seconds: float, bar=bar) -> None:
-                    bar.set_postfix(tok_s=f"{n_tok / max(seconds, 1e-9):.0f}", tokens=n_tok, refresh=False)
-                    bar.update(n_seq - bar.n)
+                    def report(n_seq: int, n_tok: int, seconds: float, bar=bar) -> None:
+                        bar.set_postfix(tok_s=f"{n_tok / max(seconds, 1e-9):.0f}", tokens=n_tok, refresh=False)
+                        bar.update(n_seq - bar.n)
 
-                generate(target, cache, ps, settings, deadline=deadline, progress=report)
-                bar.close()
+                    generate(target, cache, ps, settings, deadline=deadline, progress=report)
+                    bar.close()
         finally:
             target.close()
     return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], train, test)

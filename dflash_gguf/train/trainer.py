@@ -12,9 +12,7 @@ import json
 import math
 import random
 import shutil
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from .batches import Batch, draw_anchors, make_batch, spread_anchors
 from .config import TrainConfig
 from .data import FeatureCache
 from .errors import TrainError
+from .interrupts import sigterm_as_interrupt
 from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig
 from .pipeline import RunData
 from .recipe import IGNORE, block_labels, default_gamma, expected_acceptance, weighted_loss
@@ -141,6 +140,7 @@ class Trainer:
         self.gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
         torch.set_num_threads(cfg.threads)
         last = self.ckpt_dir / "last"
+        self._vocab_note = ""
         d2t = self._resume_vocab(last) if (last / STATE_FILE).is_file() else self._new_vocab()
         self.d2t = d2t
         self.model = build_model(cfg, data, d2t).to(self.device)
@@ -152,6 +152,8 @@ class Trainer:
         self.best_tau, self.best_step = -math.inf, -1
         self.n_trained_tokens = 0
         self.elapsed = 0.0
+        self._mark = time.time()
+        self.last_eval: dict = {}
         if (last / STATE_FILE).is_file():
             self._load(last)
 
@@ -179,6 +181,7 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _state(self) -> dict:
+        self._tick()
         return {
             "step": self.step,
             "optimizer": self.opt.state_dict(),
@@ -222,14 +225,13 @@ class Trainer:
         self.elapsed = state["elapsed"]
 
     # -- one step ----------------------------------------------------------------------------
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, accuracy, argmax draft rows of the scored slots)."""
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted loss, slot accuracy) over the scored slots of a batch."""
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             hidden = self.model.hidden(batch.features, batch.ctx_pos, batch.block_ids, batch.block_pos, batch.mask)
             scored = batch.labels != IGNORE
             logits = self.model.logits(hidden[scored])
-        loss, acc = weighted_loss(logits, batch.labels[scored], batch.weights[scored])
-        return loss, acc, logits.argmax(-1)
+        return weighted_loss(logits, batch.labels[scored], batch.weights[scored])
 
     def _train_batch(self) -> Batch:
         records = self.data.train.records
@@ -308,19 +310,19 @@ class Trainer:
         cfg = self.cfg
         if self.step >= cfg.steps:
             return self._report(0.0)
-        if getattr(self, "_vocab_note", None):
+        if self._vocab_note:
             tqdm.write(self._vocab_note)
         self.model.train()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", disable=not self.progress, dynamic_ncols=True)
-        t_run = time.time()
+        t_run = self._mark = time.time()
         window_tokens, window_t = 0, time.time()
         try:
-            with _sigterm_as_interrupt():
+            with sigterm_as_interrupt():
                 while self.step < cfg.steps:
                     for g in self.opt.param_groups:
                         g["lr"] = lr_at(self.step, cfg)
                     batch = self._train_batch()
-                    loss, acc, _ = self._forward(batch)
+                    loss, acc = self._forward(batch)
                     self.opt.zero_grad(set_to_none=True)
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -335,27 +337,26 @@ class Trainer:
                     if now - window_t > 30:
                         window_tokens, window_t = 0, now
                     if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                        self._eval_and_log(loss.item(), acc.item(), t_run)
+                        self._eval_and_log(loss.item(), acc.item())
                         self._refresh_data()
                     if self.step % cfg.save_every == 0 or self.step == cfg.steps:
-                        self.elapsed_update(t_run)
                         self.save("last")
         except KeyboardInterrupt:
-            self.elapsed_update(t_run)
             self.save("last")
             bar.close()
             raise
         bar.close()
         return self._report(time.time() - t_run)
 
-    def elapsed_update(self, t_run: float) -> None:
+    def _tick(self) -> None:
+        """Add the time since the last tick to the run's total training time (kept across resumes)."""
         now = time.time()
-        self.elapsed += now - getattr(self, "_last_mark", t_run)
-        self._last_mark = now
+        self.elapsed += now - self._mark
+        self._mark = now
 
-    def _eval_and_log(self, loss: float, acc: float, t_run: float) -> None:
+    def _eval_and_log(self, loss: float, acc: float) -> None:
         ev = self.evaluate()
-        self.elapsed_update(t_run)
+        self._tick()
         row = {
             "step": self.step, "train_loss": loss, "train_acc": acc, "eval_loss": ev["loss"],
             "tau": ev["tau"], "tau_all": ev["tau_all"], "tau_full_head": ev.get("tau_full_head"), "trained_tokens": self.n_trained_tokens,
@@ -373,26 +374,8 @@ class Trainer:
         best = self.ckpt_dir / "best"
         return TrainReport(
             step=self.step, best_tau=self.best_tau, best_step=self.best_step,
-            best_checkpoint=best if best.exists() else None, last_eval=getattr(self, "last_eval", {}), seconds=seconds,
+            best_checkpoint=best if best.exists() else None, last_eval=self.last_eval, seconds=seconds,
         )
-
-
-@contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (e.g. `kill`) checkpoints like Ctrl-C instead of dying mid-step."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def train(cfg: TrainConfig, data: RunData, *, progress: bool = True) -> TrainReport:
