@@ -141,3 +141,17 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (1000, 400)
     assert sorted(f.name for f in out.iterdir()) == ["tiny.json", "tiny.md", "tiny.png"]  # no temp files left
+
+
+def test_acceptance_by_position_counts_slots_never_reached() -> None:
+    from dflash_gguf.bench.results import Generation, mode_summary
+
+    rejected = Generation("dflash", 0, [1, 2], 0.0, 0.0, 0.1, cycles=1, n_drafted=2, acceptance_histogram=[1],
+                          position_drafted=[1, 1], position_accepted=[])
+    passed = Generation("dflash", 1, [1, 2, 3, 4], 0.0, 0.0, 0.1, cycles=1, n_drafted=2, n_accepted=2,
+                        acceptance_histogram=[0, 0, 1], position_drafted=[1, 1], position_accepted=[1, 1])
+    summary = mode_summary([rejected, passed])
+    assert summary["acceptance_by_position"] == [0.5, 0.5]
+    assert summary["acceptance_histogram"] == [1, 0, 1]
+    assert summary["acceptance_rate"] == 0.5 and summary["tau"] == 2.0
+    assert mode_summary([rejected])["acceptance_by_position"] == [0.0, 0.0]

@@ -121,6 +121,7 @@ def _by_position(runs: Sequence[Generation]) -> list[float]:
     """[k]: of the cycles that drafted slot k+1, the share whose drafts 1..k+1 all passed."""
     drafted = _sum_histograms([g.position_drafted for g in runs])
     accepted = _sum_histograms([g.position_accepted for g in runs])
+    accepted += [0] * (len(drafted) - len(accepted))  # slots drafted but never reached
     return [a / n for a, n in zip(accepted, drafted) if n]
 
 
