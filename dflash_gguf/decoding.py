@@ -147,12 +147,12 @@ def decode_steps(
     n_past = len(prompt)
 
     while not done:
-        room = min(n_ctx - n_past, config.max_tokens - n_generated)
-        if n_ctx - n_past <= 0:
+        if n_past >= n_ctx:
             yield Step([], text.flush(), 0, 0, None, 0, "context full", 0.0, 0.0, "length")
             return
         n_draft, reason = _block_choice(drafter if speculative else None, config, controller)
-        n_draft = max(0, min(n_draft, room - 1))
+        # the block [last, drafts] must fit the context, and commit no more than max_tokens allows
+        n_draft = max(0, min(n_draft, n_ctx - n_past - 1, config.max_tokens - n_generated - 1))
         block = [last]
 
         t_draft = time.perf_counter()

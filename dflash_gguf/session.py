@@ -176,8 +176,10 @@ class Session:
         controller = self._controller() if speculative and config.block_size is None else None
         try:
             yield from decode_steps(self.target, self.drafter, tokens, config, self._cache, controller)
+        except GeneratorExit:
+            raise  # the caller stopped reading: the cache is consistent at every yield
         except BaseException:
-            self._cache = CacheState()
+            self._cache = CacheState()  # a failure mid-cycle leaves the KV caches in an unknown state
             self.target.remove(0, 0)
             raise
 

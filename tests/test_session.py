@@ -258,3 +258,13 @@ def test_a_session_without_drafter_decodes_plainly_with_a_warning(embedded_targe
         with pytest.warns(UserWarning, match="no drafter"):
             r = s.generate(PROMPTS[0], max_tokens=8)
         assert r.tokens == llama_greedy(llama, PROMPTS[0], 8) and not r.stats.speculative
+
+
+def test_an_abandoned_stream_leaves_a_usable_cache(session, llama):
+    steps = session.stream(PROMPTS[3], max_tokens=20, block_size=4)
+    next(steps)
+    next(steps)
+    steps.close()
+    r = session.generate(PROMPTS[3], max_tokens=12, block_size=4)
+    assert r.tokens == llama_greedy(llama, PROMPTS[3], 12)
+    assert r.stats.n_cached_tokens == r.stats.n_prompt_tokens - 1
