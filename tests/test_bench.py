@@ -80,7 +80,9 @@ def test_requantize_refuses_unknown_types_before_libllama(tmp_path, embedded_tar
 
 
 def test_kernel_measurement_reports_every_size(embedded_target) -> None:
-    report = kernels.measure({"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2)
+    report = kernels.measure(
+        {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4
+    )
     data = report.to_dict()
     (variant,) = data["variants"]
     assert sorted(variant["seconds"]) == [1, 4] and all(len(v) == 2 for v in variant["seconds"].values())
@@ -88,8 +90,11 @@ def test_kernel_measurement_reports_every_size(embedded_target) -> None:
     assert variant["ratio"][1] == 1.0 and variant["ratio"][4] > 0 and variant["cpu_ratio"][4] > 0
     assert variant["argmax_agreement"] == 1.0  # the reference agrees with itself
     assert "CPU" in data["system_info"]
+    # one round of greedy plain generation per built-in category
+    assert len(variant["plain_tokens_per_s"]) == 3 and variant["plain_tokens_per_s_median"] > 0
+    assert variant["plain_cpu_ms_per_token_median"] > 0
     table = kernels.to_markdown(report)
-    assert "| Q4_1 (as shipped) |" in table and "t(4)/t(1)" in table
+    assert "| Q4_1 (as shipped) |" in table and "t(4)/t(1)" in table and "decode tok/s" in table
 
 
 

@@ -61,6 +61,8 @@ class VariantCosts:
     seconds: dict[int, list[float]] = field(default_factory=dict)
     cpu_seconds: dict[int, list[float]] = field(default_factory=dict)
     argmax_agreement: float | None = None  # share of positions whose argmax matches the reference variant
+    plain_tokens_per_s: list[float] = field(default_factory=list)  # greedy plain generations, decode only
+    plain_cpu_ms_per_token: list[float] = field(default_factory=list)
 
     def best_s(self, n: int) -> float:
         """The fastest repeat: the one least disturbed by other processes."""
@@ -95,6 +97,10 @@ class KernelReport:
             d["cpu_ms"] = {n: v.cpu_s(n) * 1e3 for n in self.sizes}
             d["ratio"] = {n: v.ratio(n) for n in self.sizes}
             d["cpu_ratio"] = {n: v.cpu_ratio(n) for n in self.sizes}
+            d["plain_tokens_per_s_median"] = statistics.median(v.plain_tokens_per_s) if v.plain_tokens_per_s else None
+            d["plain_cpu_ms_per_token_median"] = (
+                statistics.median(v.plain_cpu_ms_per_token) if v.plain_cpu_ms_per_token else None
+            )
         return out
 
 
@@ -105,11 +111,13 @@ def measure(
     repeats: int = 10,
     n_threads: int = 2,
     flash_attn: bool = True,
+    generate_tokens: int = 64,
 ) -> KernelReport:
     """Time a target batch of each size (all rows output logits, as verification needs) for each variant.
 
     Every repeat visits every variant and size in a rotating order; a warm-up pass comes first.
-    flash_attn defaults to on, as the Session opens its target.
+    flash_attn defaults to on, as the Session opens its target. Then, unless generate_tokens is 0, greedy
+    plain generations of that many tokens through the Session (repeats // 10 interleaved rounds).
     """
     if not variants:
         raise ValueError("no model variants to measure")
@@ -146,8 +154,43 @@ def measure(
     finally:
         for target in targets.values():
             target.close()
+    if generate_tokens:
+        rounds = max(1, repeats // 10)
+        plain_generation(variants, list(results.values()), max_tokens=generate_tokens, repeats=rounds, n_threads=n_threads)
     system_info = llama_cpp.llama_print_system_info().decode()
     return KernelReport(list(results.values()), sizes, repeats, n_threads, flash_attn, system_info, os.getloadavg())
+
+
+def plain_generation(
+    variants: dict[str, Path], results: Sequence[VariantCosts], *, max_tokens: int, repeats: int, n_threads: int
+) -> None:
+    """Greedy plain decoding through the Session, one chat prompt per built-in category, interleaved by variant.
+
+    What a user sees without speculation: decode tok/s (wall) and process CPU ms per generated token.
+    """
+    from dflash_gguf.session import Session
+
+    from .runner import chat_steps
+    from .suite import load_suite
+
+    conversations = [[{"role": "user", "content": p.prompt}] for p in load_suite(limit=1)]
+    sessions = [Session(path, None, n_ctx=1024, n_threads=n_threads) for path in variants.values()]
+    try:
+        for rep in range(repeats + 1):  # rep 0 is the warm-up
+            for messages in conversations:
+                for session, result in zip(sessions, results):
+                    steps = chat_steps(session, messages, max_tokens=max_tokens, speculative=False)
+                    next(steps)  # prefill, not timed
+                    start, start_cpu, n = time.perf_counter(), time.process_time(), 0
+                    for step in steps:
+                        n += len(step.tokens)
+                    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                    if rep and n:
+                        result.plain_tokens_per_s.append(n / wall)
+                        result.plain_cpu_ms_per_token.append(1e3 * cpu / n)
+    finally:
+        for session in sessions:
+            session.close()
 
 
 def _agreement_texts() -> list[str]:
@@ -225,6 +268,16 @@ def to_markdown(report: KernelReport) -> str:
                 f"| {v.name} | {v.file_bytes / 2**20:.1f} | {step(v, 1) * 1e3:.2f} | {ratios} | "
                 f"{step(first, 1) / step(v, 1):.2f}x | {agreement} |"
             )
+        rows.append("")
+    if any(v.plain_tokens_per_s for v in report.variants):
+        rows.append("plain greedy generation through the Session (decode only, medians):")
+        rows.append("")
+        rows.append("| variant | decode tok/s | CPU ms per token | speed vs first (CPU) |")
+        rows.append("|---|---|---|---|")
+        first_cpu = statistics.median(first.plain_cpu_ms_per_token)
+        for v in report.variants:
+            cpu = statistics.median(v.plain_cpu_ms_per_token)
+            rows.append(f"| {v.name} | {statistics.median(v.plain_tokens_per_s):.1f} | {cpu:.2f} | {first_cpu / cpu:.2f}x |")
         rows.append("")
     load = ", ".join(f"{x:.1f}" for x in report.load_average)
     rows.append(

@@ -58,7 +58,7 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _chat_steps(session, messages: list[dict], config: BenchConfig, mode: str):
+def chat_steps(session, messages: list[dict], *, max_tokens: int, speculative: bool, block_size: int | None = None):
     """Session.chat's Steps, from a clean cache so every run prefills the whole prompt.
 
     Session has no public chat-streaming method or cache reset yet (Session.stream_chat is requested from
@@ -70,8 +70,7 @@ def _chat_steps(session, messages: list[dict], config: BenchConfig, mode: str):
     prompt, stops = session._render(messages)
     session._cache = CacheState()
     gen = session_module._config(
-        max_tokens=config.max_tokens, temperature=0.0, stop=stops, speculative=mode == "dflash",
-        block_size=config.block_size,
+        max_tokens=max_tokens, temperature=0.0, stop=stops, speculative=speculative, block_size=block_size
     )
     return session._steps(session._tokenize(prompt, add_special=False), gen)
 
@@ -92,7 +91,10 @@ def timed_generation(session, messages: list[dict], mode: str, repeat: int, conf
     g = Generation(mode, repeat, tokens, prefill_s=0.0, ttft_s=0.0, decode_s=0.0)
     start = time.perf_counter()
     previous = first = start
-    for step in _chat_steps(session, messages, config, mode):
+    steps = chat_steps(
+        session, messages, max_tokens=config.max_tokens, speculative=mode == "dflash", block_size=config.block_size
+    )
+    for step in steps:
         now = time.perf_counter()
         tokens.extend(step.tokens)
         if step.reason == "prefill":
