@@ -14,13 +14,14 @@ from typing import Awaitable, Callable
 
 import pytest
 from rich.style import Style
+from textual.command import CommandList, CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import Collapsible, Markdown, Sparkline, Static
 
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
-from dflash_gguf.tui.stats import Provenance
+from dflash_gguf.tui.provenance import Provenance
 from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
 
 SIZE = (110, 36)
@@ -65,11 +66,23 @@ async def send(pilot: Pilot, prompt: str) -> None:
     await pilot.press("enter")
 
 
-async def send_and_wait(pilot: Pilot, prompt: str) -> None:
+async def press_and_wait(pilot: Pilot, *keys: str) -> None:
+    """Press keys that start a reply, and wait until a new reply has finished."""
     app: ChatApp = pilot.app  # type: ignore[assignment]
-    await send(pilot, prompt)
-    await wait_for(pilot, lambda: app.busy, "the reply to start")
-    await wait_for(pilot, lambda: not app.busy, "the reply to finish")
+    before = replies(app)[-1] if replies(app) else None
+    await pilot.press(*keys)
+
+    def new_reply_finished() -> bool:
+        shown = replies(app)
+        return bool(shown) and shown[-1] is not before and shown[-1].finished and not app.busy
+
+    await wait_for(pilot, new_reply_finished, f"the reply to {keys}")
+
+
+async def send_and_wait(pilot: Pilot, prompt: str) -> None:
+    pilot.app.query_one("#prompt").focus()
+    await pilot.press(*prompt)
+    await press_and_wait(pilot, "enter")
 
 
 def replies(app: ChatApp) -> list[AssistantMessage]:
@@ -92,24 +105,16 @@ def number(text: str) -> float:
     return float(match.group())
 
 
-def rendered_styles(chunk: TokenChunk) -> dict[str, Style]:
-    """The style each committed piece of text is drawn with."""
-    text = chunk.render()
-    return {text.plain[span.start : span.end]: span.style for span in text.spans}  # type: ignore[misc]
+def rendered_styles(chunk: TokenChunk) -> list[Style]:
+    """The style each run of committed text is drawn with."""
+    return [span.style for span in chunk.render().spans]  # type: ignore[misc]
 
 
-def test_reply_streams_into_the_transcript_with_live_stats(session) -> None:
+def test_finished_reply_is_markdown_with_its_stats(session) -> None:
     app = ChatApp(session, options(max_tokens=24))
-    seen_while_streaming: dict[str, object] = {}
 
     async def scenario(pilot: Pilot) -> None:
-        await send(pilot, SHORT_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.widget.tokens.text != "", "streamed text")
-        if app.busy:  # the reply is still running: the panel and the tokens are already live
-            seen_while_streaming["text"] = app.reply.widget.tokens.text
-            seen_while_streaming["cycles"] = figures(app)["cycles"]
-        await wait_for(pilot, lambda: not app.busy, "the reply to finish")
-
+        await send_and_wait(pilot, SHORT_PROMPT)
         [user] = app.query(UserMessage)
         assert user.text == SHORT_PROMPT
         [reply] = replies(app)
@@ -125,14 +130,13 @@ def test_reply_streams_into_the_transcript_with_live_stats(session) -> None:
         assert number(shown["drafted"]) >= 3  # block 4: three drafts per cycle
         assert number(shown["τ"]) >= 1.0
         assert number(shown["decode"]) > 0
-        assert shown["block"] == "4"
+        assert shown["reason"] == "fixed block 4"
         panel = app.query_one(StatsPanel)
         assert len(panel.query_one(AcceptanceHistogram).rates) == 3
         assert len(panel.query_one(Sparkline).data) == number(shown["cycles"])
         assert "tokens · finished:" in str(reply.query_one(".status", Static).content)
 
     run_app(app, scenario)
-    assert seen_while_streaming.get("text", "x") != ""
 
 
 def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> None:
@@ -146,29 +150,30 @@ def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> 
         plain = chunk.get_component_rich_style("token--plain")
         assert bonus != plain
         # block 4: every cycle ends with the target's bonus token, drawn in the bonus style
-        styles = rendered_styles(chunk)
-        assert bonus in styles.values()
+        assert bonus in rendered_styles(chunk)
         kinds = {provenance for _, provenance in chunk.pieces}
         assert Provenance.BONUS in kinds
 
         await pilot.press("ctrl+t")
-        styles = set(rendered_styles(chunk).values())
-        assert len({s.color for s in styles}) == 1, "colouring off: every token in one colour"
+        assert len({s.color for s in rendered_styles(chunk)}) == 1, "colouring off: every token in one colour"
         # a finished reply's token view exists only to show provenance: hidden with the colours
         assert reply.query_one(Collapsible).styles.display == "none"
         await pilot.press("ctrl+t")
-        assert bonus in rendered_styles(chunk).values()
+        assert bonus in rendered_styles(chunk)
         assert reply.query_one(Collapsible).styles.display == "block"
 
     run_app(app, scenario)
 
 
-def test_escape_cancels_at_the_next_cycle_and_keeps_the_partial_reply(session) -> None:
+def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
     app = ChatApp(session, options(max_tokens=200))
 
     async def scenario(pilot: Pilot) -> None:
         await send(pilot, LONG_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.text) > 8, "some streamed text")
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
+        # mid-reply: the tokens and the stats panel are already live
+        assert app.busy and not app.reply.widget.finished
+        assert number(figures(app)["cycles"]) >= 1 and number(figures(app)["drafted"]) >= 3
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
         [reply] = replies(app)
@@ -207,9 +212,7 @@ def test_regenerate_replaces_the_last_reply(session) -> None:
     async def scenario(pilot: Pilot) -> None:
         await send_and_wait(pilot, SHORT_PROMPT)
         first = shown_markdown(replies(app)[0])
-        await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: app.busy, "the regenerated reply to start")
-        await wait_for(pilot, lambda: not app.busy, "the regenerated reply")
+        await press_and_wait(pilot, "ctrl+r")
         [reply] = replies(app)
         assert shown_markdown(reply) == first  # greedy: the same reply again
         assert len(app.history) == 2
@@ -222,9 +225,7 @@ def test_compare_reruns_with_plain_decoding_and_shows_both_speeds(session) -> No
 
     async def scenario(pilot: Pilot) -> None:
         await send_and_wait(pilot, SHORT_PROMPT)
-        await pilot.press("ctrl+g")
-        await wait_for(pilot, lambda: app.busy, "the compare run to start")
-        await wait_for(pilot, lambda: not app.busy, "the compare run")
+        await press_and_wait(pilot, "ctrl+g")
         speculative, plain = replies(app)
         assert plain.has_class("-compare")
         tokens = [p for c in plain.query(TokenChunk) for _, p in c.pieces]
@@ -284,9 +285,7 @@ def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:
     async def scenario(pilot: Pilot) -> None:
         too_long = "apple " * 1100  # more tokens than the 1024-token context
         app.query_one("#prompt").value = too_long
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: app.busy, "the reply to start")
-        await wait_for(pilot, lambda: not app.busy, "the failure")
+        await press_and_wait(pilot, "enter")
         [failed] = replies(app)
         assert failed.has_class("-failed")
         assert str(failed.query_one(".status", Static).content).strip()
@@ -305,9 +304,11 @@ def test_command_palette_runs_chat_commands(session) -> None:
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"New chat")
-        await wait_for(pilot, lambda: bool(app.screen.query("CommandList Option")), "palette hits")
-        await pilot.pause(0.2)
-        await pilot.press("enter")
+        assert isinstance(app.screen, CommandPalette)
+        hits = app.screen.query_one(CommandList)
+        await wait_for(pilot, lambda: hits.option_count > 0, "palette hits")
+        assert "New chat" in str(hits.get_option_at_index(0).prompt)
+        await pilot.press("down", "enter")
         await wait_for(pilot, lambda: not replies(app), "the palette's new chat")
         assert app.history == []
 
