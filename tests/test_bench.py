@@ -160,3 +160,18 @@ def test_acceptance_by_position_counts_slots_never_reached() -> None:
     assert summary["acceptance_histogram"] == [1, 0, 1]
     assert summary["acceptance_rate"] == 0.5 and summary["tau"] == 2.0
     assert mode_summary([rejected])["acceptance_by_position"] == [0.0, 0.0]
+
+
+def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target, reference_checkpoint) -> None:
+    from dflash_gguf.bench.peers import reference_tau
+    from dflash_gguf.target import Target
+
+    with Target.open(embedded_target, n_ctx=128, n_batch=64, n_threads=1) as target:
+        tokens = target.tokenize("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
+    result = reference_tau(embedded_target, reference_checkpoint, [PeerPrompt("p", "", tokens)], max_tokens=4)
+    assert result.available, result.reason
+    (generation,) = result.runs["p"]
+    assert generation.cycles >= 1 and generation.tau >= 1.0  # random weights: drafts rarely pass
+    assert 1 <= generation.n_tokens <= 4
+    missing = reference_tau(embedded_target, None, [], max_tokens=4)
+    assert not missing.available and "--reference-drafter" in missing.reason

@@ -214,10 +214,10 @@ def reference_tau(
     except ImportError as e:
         return PeerResult(name, False, f"needs torch, transformers and the dflash package ({e.name} is missing)")
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(
-        str(target.parent), gguf_file=target.name, torch_dtype=torch.float32
+        str(target.parent), gguf_file=target.name, dtype=torch.float32
     ).eval()
     cls = zlab.DFlash2DraftModel if _is_dflash2(reference_drafter) else zlab.DFlashDraftModel
-    drafter = cls.from_pretrained(str(reference_drafter), torch_dtype=torch.float32).eval()
+    drafter = cls.from_pretrained(str(reference_drafter), dtype=torch.float32).eval()
     stop = [t for t in (hf_target.config.eos_token_id,) if t is not None]
     result = PeerResult(name, True, f"transformers {transformers.__version__}, float32 on CPU, target dequantized from {target.name}")
     original_clock = zlab._cuda_time
