@@ -329,15 +329,23 @@ def test_stats_panel_toggles(session) -> None:
     run_app(app, scenario)
 
 
+async def _steady(pilot: Pilot) -> None:
+    """Calibration done and the cursor not blinking, so the screenshot is the same every run."""
+    app: ChatApp = pilot.app  # type: ignore[assignment]
+    app.query_one("#prompt").cursor_blink = False
+    await wait_for(pilot, lambda: app.plain_note != "measuring…", "the calibration")
+
+
 async def _finished_reply(pilot: Pilot) -> None:
+    await _steady(pilot)
     await send_and_wait(pilot, SHORT_PROMPT)
 
 
 def test_snapshot_idle_screen(session, snap_compare) -> None:
-    app = ChatApp(session, options(hide_timing=True))
-    assert snap_compare(app, terminal_size=SIZE)
+    app = ChatApp(session, options(hide_timing=True, calibrate=True))
+    assert snap_compare(app, terminal_size=SIZE, run_before=_steady)
 
 
 def test_snapshot_finished_reply(session, snap_compare) -> None:
-    app = ChatApp(session, options(max_tokens=24, hide_timing=True))
+    app = ChatApp(session, options(max_tokens=24, hide_timing=True, calibrate=True))
     assert snap_compare(app, terminal_size=SIZE, run_before=_finished_reply)
