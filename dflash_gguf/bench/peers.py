@@ -230,11 +230,12 @@ def reference_tau(
             )
             end = time.perf_counter()
             generated = out.output_ids[0, out.num_input_tokens :].tolist()
-            cycles = len(out.acceptance_lengths)
+            cycles = len(out.acceptance_lengths)  # tokens committed per cycle, bonus included
             result.runs[p.id] = [
                 Generation(
                     "reference", 0, generated, prefill_s=out.time_to_first_token, ttft_s=out.time_to_first_token,
                     decode_s=end - start - out.time_to_first_token, cycles=cycles,
+                    n_accepted=sum(out.acceptance_lengths) - cycles,
                 )
             ]
     finally:

@@ -43,8 +43,8 @@ class Generation:
 
     @property
     def tau(self) -> float:
-        """Tokens committed per decode cycle (the first token, from prefill, is not a cycle)."""
-        return (self.n_tokens - 1) / self.cycles if self.cycles else 0.0
+        """Acceptance length: drafts accepted per cycle plus the target's own token (plain decoding: 1)."""
+        return 1.0 + self.n_accepted / self.cycles if self.cycles else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -95,7 +95,6 @@ class PromptResult:
 def mode_summary(runs: Sequence[Generation]) -> dict:
     """Medians and per-cycle figures over some generations of one mode."""
     cycles = sum(g.cycles for g in runs)
-    committed = sum(g.n_tokens - 1 for g in runs)
     wall = sum(g.draft_s + g.verify_s + g.overhead_s for g in runs)
     return {
         "runs": len(runs),
@@ -103,7 +102,7 @@ def mode_summary(runs: Sequence[Generation]) -> dict:
         "ttft_s": _median([g.ttft_s for g in runs]),
         "prefill_s": _median([g.prefill_s for g in runs]),
         "n_tokens": _median([g.n_tokens for g in runs]),
-        "tau": committed / cycles if cycles else None,
+        "tau": 1.0 + sum(g.n_accepted for g in runs) / cycles if cycles else None,
         "draft_ms_per_cycle": 1e3 * sum(g.draft_s for g in runs) / cycles if cycles else None,
         "verify_ms_per_cycle": 1e3 * sum(g.verify_s for g in runs) / cycles if cycles else None,
         "overhead_ms_per_cycle": 1e3 * sum(g.overhead_s for g in runs) / cycles if cycles else None,
