@@ -281,6 +281,7 @@ class BlockController:
 
 
 CALIBRATION_SIZES = (1, 2, 4, 8, 16)
+MIN_SWEEPS = 2  # the fastest of two: one stalled sample (another process took the core) does not decide
 
 
 def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smoothing: float = 0.2) -> CostModel:
@@ -289,7 +290,8 @@ def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smooth
     Target batches of 1..block_size tokens (every row outputs logits, as verification needs) and draft
     passes of the smallest and the full block (plus a one-row feature injection, as every cycle has) run
     beyond the cached positions, which are left as they were. After a warm-up, sweeps repeat while the
-    budget lasts (at least one) and the fastest time per size is kept: the one least disturbed by other work.
+    budget lasts (at least two) and the fastest time per size is kept: the one least disturbed by other
+    work; a size never costs more than a larger one did.
     """
     if budget_s <= 0.0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
@@ -327,10 +329,20 @@ def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smooth
     deadline = time.perf_counter() + budget_s
     time_verify(block)  # warm-up: the first calls allocate graphs and buffers
     time_draft(block)
-    while True:
+    sweeps = 0
+    while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
         for fn, table, n in measures:
             seconds = fn(n)
             table[n] = min(seconds, table.get(n, math.inf))
-        if time.perf_counter() >= deadline:
-            break
-    return CostModel(verify, draft, smoothing=smoothing)
+        sweeps += 1
+    return CostModel(_non_decreasing(verify), _non_decreasing(draft), smoothing=smoothing)
+
+
+def _non_decreasing(table: dict[int, float]) -> dict[int, float]:
+    """Each size costs at most what any larger one did: a stalled sample at a small size cannot stand."""
+    out: dict[int, float] = {}
+    smallest_above = math.inf
+    for n in sorted(table, reverse=True):
+        smallest_above = min(smallest_above, table[n])
+        out[n] = smallest_above
+    return out

@@ -211,3 +211,10 @@ def test_probes_are_cheap_and_grow_while_they_pass() -> None:
     assert [c.n_draft for c in probes[:2]] == [1, 3]
     assert probes[1].reason.startswith("probe draft 3 (the last probe passed)")
     assert choices[-1].reason.startswith("draft ")  # back to speculating once the probes show drafts pass
+
+
+def test_calibration_tables_are_non_decreasing() -> None:
+    from dflash_gguf.controller import _non_decreasing
+
+    # a stalled 1-token sample (2 s) cannot make plain decoding look slower than a 16-token batch
+    assert _non_decreasing({1: 2.0, 2: 0.015, 4: 0.03, 16: 0.02}) == {1: 0.015, 2: 0.015, 4: 0.02, 16: 0.02}
