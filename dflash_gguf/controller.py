@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 TimingKind = Literal["draft", "verify", "plain"]
 
 # an outlier sample (another process took the core) moves an estimate by at most this factor per update
-_MAX_SAMPLE_RATIO = 4.0
+_MAX_SAMPLE_RATIO = 2.0
 
 
 class CostTable:
