@@ -237,6 +237,8 @@ def test_compare_reruns_with_plain_decoding_and_shows_both_speeds(session) -> No
         assert shown["text"] == "identical"
         assert shown_markdown(plain) == shown_markdown(speculative)
         assert len(app.history) == 2, "the compare run is not part of the conversation"
+        # the figures are back to the speculative reply the plain run was compared with
+        assert number(figures(app)["drafted"]) >= 3
 
     run_app(app, scenario)
 

@@ -53,7 +53,8 @@ class Reply:
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: ReplyStats = field(default_factory=ReplyStats)
     parts: list[str] = field(default_factory=list)
-    # why the Session stopped, when it says so in a closing Step that decoded nothing (context full)
+    # why the Session stopped, when it says so in a closing Step that decoded nothing (block_size 0:
+    # the context is full)
     closing_note: str = ""
     pending: list[Piece] = field(default_factory=list)
     # cycles arrived since the last draw (a cycle may add stats but no text yet)
@@ -89,7 +90,7 @@ class ChatApp(App[None]):
         self.reply: Reply | None = None
         # a reply running, or one whose worker has not answered yet
         self.busy = False
-        # what the panel shows when no reply runs: the last one's figures
+        # what the panel shows when no reply runs: the last speculative reply's figures
         self.last_stats = ReplyStats()
         self.last_reply_speed: float | None = None
         self.last_reply_text: str | None = None
@@ -185,7 +186,7 @@ class ChatApp(App[None]):
             return
         step = message.step
         reply.stats.observe(step, message.at)
-        if step.finish_reason is not None and not step.tokens and step.n_drafted == 0:
+        if step.finish_reason is not None and step.block_size == 0:
             reply.closing_note = step.reason
         reply.parts.append(step.text)
         reply.pending.extend(message.pieces)
@@ -214,8 +215,8 @@ class ChatApp(App[None]):
                 status += f" ({reply.closing_note})"
                 self.notify(f"{reply.closing_note} — Ctrl+N starts a new chat", severity="warning")
         reply.widget.finish(text, status)
-        self.last_stats = reply.stats
         if reply.speculative:
+            self.last_stats = reply.stats
             # a cancelled reply is kept, partial as it is, so the next turn continues from it
             self.history.append({"role": "assistant", "content": text})
             self.last_reply_speed = reply.stats.tokens_per_s
@@ -225,6 +226,8 @@ class ChatApp(App[None]):
             self.stats_panel.show_compare(self.last_reply_speed, reply.stats.tokens_per_s, same)
         self.reply = None
         self.busy = False
+        # after a compare run the figures go back to the reply it was compared with
+        self._refresh_stats()
 
     def on_reply_failed(self, message: ReplyFailed) -> None:
         reply = self._current(message.turn)
@@ -232,13 +235,13 @@ class ChatApp(App[None]):
             return
         self._flush()
         reply.widget.fail(message.error)
-        self.last_stats = reply.stats
         if reply.speculative and self.history and self.history[-1]["role"] == "user":
             # the prompt that failed (e.g. context full) leaves the conversation, so the next one can run
             self.history.pop()
         self.notify(message.error, title="generation failed", severity="error")
         self.reply = None
         self.busy = False
+        self._refresh_stats()
 
     def on_calibration_finished(self, message: CalibrationFinished) -> None:
         self.plain_tokens_per_s = message.tokens_per_s

@@ -1,4 +1,5 @@
-"""Write docs/dflash-chat.svg: the real app, one real reply, saved with App.save_screenshot.
+"""Write docs/dflash-chat.svg: the real app, a real reply and its plain-decoding compare run, saved with
+App.save_screenshot.
 
 `python -m dflash_gguf.tui.screenshot OUT.svg [--drafter D.gguf]` — regenerates the README picture
 from an actual run rather than a mock-up.
@@ -11,10 +12,13 @@ import asyncio
 import time
 from pathlib import Path
 
+from textual.widgets import Collapsible
+
 from dflash_gguf.tui.app import ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.tui.widgets import AssistantMessage
 
-PROMPT = "Explain speculative decoding in three short bullet points."
+PROMPT = "Give three short tips for writing clear code, as a list."
 SIZE = (120, 40)
 WAIT_S = 300.0
 
@@ -32,9 +36,13 @@ async def capture(app: ChatApp, out: Path, prompt: str) -> None:
         await until(lambda: app.plain_note != "measuring…")
         app.query_one("#prompt").focus()
         await pilot.press(*prompt)
-        await pilot.press("enter")
-        await until(lambda: app.busy)
-        await until(lambda: not app.busy)
+        for key in ("enter", "ctrl+g"):  # the reply, then the same prompt decoded plainly
+            n_replies = len(app.query(AssistantMessage))
+            await pilot.press(key)
+            await until(lambda: len(app.query(AssistantMessage)) > n_replies and not app.busy)
+        # show the first reply's tokens in their provenance colours under its Markdown
+        app.query(AssistantMessage).first().query_one(Collapsible).collapsed = False
+        app.query_one("#prompt").cursor_blink = False
         await pilot.pause(0.3)
         tmp = out.with_name(out.name + ".tmp")
         app.save_screenshot(tmp.name, path=str(tmp.parent))
@@ -45,12 +53,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_gguf.tui.screenshot")
     parser.add_argument("out", type=Path)
     parser.add_argument("--drafter", type=Path, default=None)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--n-threads", type=int, default=2)
     args = parser.parse_args()
     from dflash_gguf.session import Session
 
-    options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens))
+    options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens, block_size=args.block_size))
     with Session(None, args.drafter, n_ctx=2048, n_threads=args.n_threads) as session:
         asyncio.run(capture(ChatApp(session, options), args.out, PROMPT))
     print(args.out)

@@ -43,7 +43,7 @@ class ReplyStats:
             self._first_at = at
             return
         self._tokens_after_first += n_tokens
-        if n_tokens == 0 and step.n_drafted == 0:  # a closing Step that decoded nothing (context full)
+        if step.block_size == 0:  # a closing Step that decoded nothing (the context is full)
             return
         self.cycles += 1
         self.drafted += step.n_drafted
