@@ -131,6 +131,7 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     peers = {p["name"]: p for p in data["peers"]}
     lookup = peers["llama-cpp-python LlamaPromptLookupDecoding"]
     assert lookup["available"] and lookup["overall"]["decode_tokens_per_s"] > 0
+    assert lookup["identical_to_plain"] in (0, 1, 2)
     reference = peers["z-lab dflash_generate (reference)"]
     assert not reference["available"] and "--reference-drafter" in reference["reason"]
 

@@ -149,7 +149,7 @@ def llama_server(
         for p in prompts:
             body = {
                 "prompt": p.tokens, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                "cache_prompt": False, "stream": False,
+                "cache_prompt": False, "stream": False, "return_tokens": True,
             }
             _post(f"{base}/completion", body, SERVER_REQUEST_TIMEOUT_S)  # warm-up
             result.runs[p.id] = [_server_generation(base, body, r) for r in range(repeats)]

@@ -90,6 +90,7 @@ def to_markdown(result: BenchResult) -> str:
         lines.append(
             f"- **{peer['name']}**: {_f(o['decode_tokens_per_s'])} tok/s median decode, τ {_f(o['tau'], '.2f')}, "
             f"drafts accepted {_pct(o['acceptance_rate'])}, "
+            f"output identical to plain decoding on {peer['identical_to_plain']}/{len(peer['per_prompt'])} prompts, "
             f"TTFT {_f(None if o['ttft_s'] is None else o['ttft_s'] * 1e3, '.0f')} ms over {o['runs']} runs "
             f"({peer['reason']})"
         )

@@ -132,12 +132,14 @@ class PeerResult:
     available: bool
     reason: str = ""  # why unavailable, or what was run
     runs: dict[str, list[Generation]] = field(default_factory=dict)  # prompt id -> generations
+    identical_to_plain: int | None = None  # prompts whose first generation equals our plain decoding's tokens
 
     def to_dict(self) -> dict:
         return {
             "name": self.name,
             "available": self.available,
             "reason": self.reason,
+            "identical_to_plain": self.identical_to_plain,
             "per_prompt": {pid: mode_summary(gs) for pid, gs in self.runs.items()},
             "overall": mode_summary([g for gs in self.runs.values() for g in gs]),
         }

@@ -165,6 +165,10 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         block = session.drafter.block_size
         rss_bench = _peak_rss_mib()
     peers = _run_peers(config, paths, peer_prompts, n_threads, block, progress)
+    plain_tokens = {p.id: p.of("plain")[0].tokens for p in results}
+    for peer in peers:
+        if peer.available:
+            peer.identical_to_plain = sum(1 for pid, gs in peer.runs.items() if gs and gs[0].tokens == plain_tokens[pid])
     settings = {
         "target": str(paths[0]),
         "drafter": str(paths[1]),
