@@ -305,6 +305,12 @@ def test_command_palette_runs_chat_commands(session) -> None:
         await send_and_wait(pilot, "Hi")
         await pilot.press("ctrl+p")
         await pilot.pause()
+        assert isinstance(app.screen, CommandPalette)
+        await pilot.press("escape")  # the palette keeps its own Esc
+        await wait_for(pilot, lambda: not isinstance(app.screen, CommandPalette), "the palette to close")
+        assert replies(app)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
         await pilot.press(*"New chat")
         assert isinstance(app.screen, CommandPalette)
         hits = app.screen.query_one(CommandList)

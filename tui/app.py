@@ -17,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input
 
+from dflash_gguf.session import Session
 from dflash_gguf.tui.commands import ChatCommands
 from dflash_gguf.tui.messages import (
     CalibrationFailed,
@@ -36,11 +37,11 @@ from dflash_gguf.tui.widgets import (
     Transcript,
     UserMessage,
 )
-from dflash_gguf.session import Session
 from dflash_gguf.tui.worker import SessionWorker
 
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
 FLUSH_INTERVAL_S = 1 / 20
+BUSY_HINT = "Still generating — Esc cancels it."
 
 
 @dataclass
@@ -72,12 +73,13 @@ class ChatApp(App[None]):
     TITLE = "dflash-chat"
     COMMANDS = App.COMMANDS | {ChatCommands}
     BINDINGS = [
-        Binding("escape", "cancel", "Cancel", priority=True),
-        Binding("ctrl+n", "new_chat", "New chat", priority=True),
-        Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
-        Binding("ctrl+t", "toggle_colours", "Colours", priority=True),
-        Binding("ctrl+s", "toggle_stats", "Stats", priority=True),
-        Binding("ctrl+g", "compare", "Compare", priority=True),
+        # not priority bindings: the command palette and other screens keep their own Esc
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+t", "toggle_colours", "Colours"),
+        Binding("ctrl+s", "toggle_stats", "Stats"),
+        Binding("ctrl+g", "compare", "Compare"),
         Binding("f5", "recalibrate", "Recalibrate"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -85,7 +87,7 @@ class ChatApp(App[None]):
     def __init__(self, session: Session, options: ChatOptions | None = None) -> None:
         super().__init__()
         self.options = options or ChatOptions()
-        self.worker = SessionWorker(session, self.post_message)
+        self.session_worker = SessionWorker(session, self.post_message)
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
         # a reply running, or one whose worker has not answered yet
@@ -116,7 +118,7 @@ class ChatApp(App[None]):
             self._calibrate()
 
     def on_unmount(self) -> None:
-        self.worker.closing.set()
+        self.session_worker.closing.set()
 
     @property
     def stats_panel(self) -> StatsPanel:
@@ -140,7 +142,7 @@ class ChatApp(App[None]):
         if not prompt:
             return
         if self.busy:
-            self.notify("Still generating — Esc cancels it.", severity="warning")
+            self.notify(BUSY_HINT, severity="warning")
             return
         prompt_input = self.query_one(PromptInput)
         prompt_input.remember(prompt)
@@ -170,11 +172,11 @@ class ChatApp(App[None]):
     def _generate(
         self, turn: int, messages: list[dict[str, str]], gen: dict[str, Any], cancel: threading.Event
     ) -> None:
-        self.worker.reply(turn, messages, gen, cancel)
+        self.session_worker.reply(turn, messages, gen, cancel)
 
     @work(thread=True, group="session")
     def _calibrate(self) -> None:
-        self.worker.calibrate(self.options.generation.session_kwargs(speculative=False))
+        self.session_worker.calibrate(self.options.generation.session_kwargs(speculative=False))
 
     def _current(self, turn: int) -> Reply | None:
         """The reply a worker message belongs to, or None if that reply was discarded (new chat)."""
@@ -280,13 +282,19 @@ class ChatApp(App[None]):
         self.stats_panel.show_compare(None, None, None)
         self.query_one(PromptInput).focus()
 
+    def _can_rerun(self, nothing_yet: str) -> bool:
+        """Whether the last prompt has a reply and nothing runs; if not, says why."""
+        if self.busy:
+            self.notify(BUSY_HINT, severity="warning")
+            return False
+        if not self.history or self.history[-1]["role"] != "assistant":
+            self.notify(nothing_yet, severity="warning")
+            return False
+        return True
+
     def action_regenerate(self) -> None:
         """Drop the last reply and generate it again."""
-        if self.busy:
-            self.notify("Still generating — Esc cancels it.", severity="warning")
-            return
-        if not self.history or self.history[-1]["role"] != "assistant":
-            self.notify("Nothing to regenerate yet.", severity="warning")
+        if not self._can_rerun("Nothing to regenerate yet."):
             return
         self.history.pop()
         replies = [
@@ -299,11 +307,7 @@ class ChatApp(App[None]):
 
     def action_compare(self) -> None:
         """Rerun the last prompt with plain decoding and put both speeds side by side."""
-        if self.busy:
-            self.notify("Still generating — Esc cancels it.", severity="warning")
-            return
-        if not self.history or self.history[-1]["role"] != "assistant":
-            self.notify("Send a prompt first; compare reruns it with plain decoding.", severity="warning")
+        if not self._can_rerun("Send a prompt first; compare reruns it with plain decoding."):
             return
         self._start_reply(self._conversation()[:-1], speculative=False)
 
@@ -323,7 +327,7 @@ class ChatApp(App[None]):
         self._calibrate()
 
     async def action_quit(self) -> None:
-        self.worker.closing.set()
+        self.session_worker.closing.set()
         if self.reply is not None:
             self.reply.cancel.set()
         self.exit()

@@ -74,17 +74,19 @@ class TokenStream(Vertical):
         """Add pieces at the end, opening a new chunk at a newline once the last one is full."""
         chunk = self.query(TokenChunk).last()
         batch: list[Piece] = []
+        length = chunk.length
         for text, provenance in pieces:
-            if chunk.length + sum(len(t) for t, _ in batch) >= CHUNK_CHARS and "\n" in text:
+            if length >= CHUNK_CHARS and "\n" in text:
                 head, _, tail = text.rpartition("\n")
                 if head:
                     batch.append((head, provenance))
                 chunk.append(batch)
-                chunk, batch = TokenChunk(), []
+                chunk, batch, length = TokenChunk(), [], 0
                 self.mount(chunk)
                 text = tail
             if text:
                 batch.append((text, provenance))
+                length += len(text)
         if batch:
             chunk.append(batch)
 
