@@ -193,7 +193,6 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("embed", embed.float(), persistent=False)
         head = self.embed if head is None else head.float()
-        self.register_buffer("full_head", head, persistent=False)
         if d2t is None:
             self.d2t = None
             self.register_buffer("lm_head_weight", head, persistent=False)

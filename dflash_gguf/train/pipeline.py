@@ -188,8 +188,8 @@ def run(cfg: TrainConfig, *, stage: str = "all", progress: bool = True) -> RunRe
     if stage in ("all", "export"):
         from .export import export
 
-        result.gguf, note = export(cfg)
-        result.lines.append(f"gguf: {result.gguf}{note}")
+        result.gguf = export(cfg)
+        result.lines.append(f"gguf: {result.gguf}")
     if stage in ("all", "tau"):
         result.lines.extend(measure_tau(cfg, progress=progress).lines())
     return result

@@ -253,13 +253,11 @@ class Trainer:
 
         At greedy decoding the target's continuation is its cached response, so a block drafted at
         anchor a commits 1 + (leading slots that match tokens[a+1..]) tokens: that mean over
-        evenly spaced anchors is τ without running the target. With a reduced draft vocabulary,
-        `tau_full_head` is the same drafter proposing over the target's whole head.
+        evenly spaced anchors is τ without running the target.
         """
         self.model.eval()
         cache: FeatureCache = self.data.eval
         hits: dict[str, list[np.ndarray]] = {}
-        hits_full: list[np.ndarray] = []
         losses = []
         b = self.cfg.block_size
         for r in cache.records:
@@ -278,8 +276,6 @@ class Trainer:
             pred = logits.argmax(-1).cpu().numpy()
             if self.d2t is not None:
                 pred = self.d2t[pred]
-                full = (hidden.float() @ self.model.full_head.T).argmax(-1).cpu().numpy()
-                hits_full.append((full == truth).reshape(len(anchors), b)[:, 1:])
             hits.setdefault(r.category, []).append((pred == truth).reshape(len(anchors), b)[:, 1:])
             ok = batch.labels[0] != IGNORE
             if ok.any():
@@ -293,8 +289,6 @@ class Trainer:
             "tau_all": expected_acceptance(np.concatenate(all_hits)) if all_hits else math.nan,
             "loss": float(np.mean(losses)) if losses else math.nan,
         }
-        if hits_full:
-            result["tau_full_head"] = expected_acceptance(np.concatenate(hits_full))
         return result
 
     def _log(self, row: dict) -> None:
@@ -359,7 +353,7 @@ class Trainer:
         self._tick()
         row = {
             "step": self.step, "train_loss": loss, "train_acc": acc, "eval_loss": ev["loss"],
-            "tau": ev["tau"], "tau_all": ev["tau_all"], "tau_full_head": ev.get("tau_full_head"), "trained_tokens": self.n_trained_tokens,
+            "tau": ev["tau"], "tau_all": ev["tau_all"], "trained_tokens": self.n_trained_tokens,
             "data_sequences": len(self.data.train.records), "data_tokens": self.data.train.n_tokens,
             "train_seconds": round(self.elapsed, 1), "lr": lr_at(self.step, self.cfg),
         }
