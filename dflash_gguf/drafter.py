@@ -20,7 +20,7 @@ from llama_cpp import llama_cpp as capi
 from . import llama_ext
 from .sampling import SamplingParams, probabilities, sample_token
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
-from .target import Target, check_gguf_file, load_model, meta_str, new_context
+from .target import NativeResource, Target, check_gguf_file, load_model, meta_str, new_context
 
 
 class PairingError(ValueError):
@@ -75,7 +75,7 @@ def check_pairing(model: capi.llama_model_p, path: Path, target: Target) -> None
         )
 
 
-class Drafter:
+class Drafter(NativeResource):
     """One `dflash` drafter model + context tied to a Target's context."""
 
     def __init__(
@@ -263,15 +263,3 @@ class Drafter:
         if getattr(self, "_model", None):
             capi.llama_model_free(self._model)
         self._batch = self._ctx = self._model = None
-
-    def __enter__(self) -> "Drafter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -132,7 +133,27 @@ def meta_str(model: capi.llama_model_p, key: str) -> str | None:
         size = n + 1
 
 
-class Target:
+class NativeResource(ABC):
+    """Something holding libllama memory: a context manager, and freed when garbage-collected."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the native memory; must be safe to call more than once."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
     def __init__(
@@ -470,15 +491,3 @@ class Target:
             capi.llama_model_free(self._model)
         self._ctx = None
         self._model = None
-
-    def __enter__(self) -> "Target":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

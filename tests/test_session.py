@@ -108,9 +108,9 @@ def test_stop_string_is_cut_and_never_streamed(session):
 
 
 def test_a_possible_stop_prefix_is_held_back_then_released(session):
-    full = session.generate(PROMPTS[0], max_tokens=MAX_TOKENS, block_size=4)
+    full = session.generate(PROMPTS[0], max_tokens=12, block_size=4)
     word = full.text.split()[2]
-    r = session.generate(PROMPTS[0], max_tokens=MAX_TOKENS, block_size=4, stop=[word + "\x00never"])
+    r = session.generate(PROMPTS[0], max_tokens=12, block_size=4, stop=[word + "\x00never"])
     assert r.text == full.text and r.finish_reason == "length"
 
 
