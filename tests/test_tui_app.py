@@ -183,10 +183,14 @@ def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
         assert app.history[-1] == {"role": "assistant", "content": partial}
         assert number(figures(app)["cycles"]) < 200
 
-        # the conversation goes on from the partial reply
+        first_prefill = number(figures(app)["prefill"])
+        first_tokens = number(figures(app)["tokens"])
+        # the conversation goes on from the partial reply, through the chat template
         await send_and_wait(pilot, SHORT_PROMPT)
         assert len(replies(app)) == 2
         assert [m["role"] for m in app.history] == ["user", "assistant", "user", "assistant"]
+        # prefix reuse: only the new turn is prefilled, not the whole conversation again
+        assert number(figures(app)["prefill"]) < first_prefill + first_tokens
 
     run_app(app, scenario)
 

@@ -254,6 +254,8 @@ class StatsPanel(VerticalScroll):
             ("decode", _speed(speed, hide)),
             ("plain", plain_note if plain_tokens_per_s is None else _speed(plain_tokens_per_s, hide)),
             ("speedup", _ratio(speedup, hide)),
+            ("tokens", str(stats.tokens)),
+            ("prefill", "—" if stats.prefill_tokens is None else f"{stats.prefill_tokens} tokens"),
             ("τ", "—" if stats.tau is None else f"{stats.tau:.2f} tok/cycle"),
             ("drafted", str(stats.drafted)),
             ("accepted", str(stats.accepted)),
