@@ -223,7 +223,8 @@ class BlockController:
             n = self._next_probe
             self._next_probe = 0
             self._probing = True
-            return BlockChoice(n, f"probe draft {n} (the last probe passed): {self._describe(n, expected)}", self._rate(n, expected))
+            reason = f"probe draft {n} (the last probe passed): {self._describe(n, expected)}"
+            return BlockChoice(n, reason, self._rate(n, expected))
         if self._plain_streak >= self._probe_after:  # the cheapest draft tells whether drafts pass again
             self._plain_streak = 0
             self._probing = True

@@ -79,9 +79,10 @@ def test_requantize_refuses_unknown_types_before_libllama(tmp_path, embedded_tar
     assert list(tmp_path.iterdir()) == []
 
 
-def test_kernel_measurement_reports_every_size(embedded_target) -> None:
+def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path) -> None:
     report = kernels.measure(
-        {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4
+        {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4,
+        drafter=dflash_gguf_path,
     )
     data = report.to_dict()
     (variant,) = data["variants"]
@@ -92,7 +93,12 @@ def test_kernel_measurement_reports_every_size(embedded_target) -> None:
     assert "CPU" in data["system_info"]
     # one round of greedy plain generation per built-in category
     assert len(variant["plain_tokens_per_s"]) == 3 and variant["plain_tokens_per_s_median"] > 0
-    assert variant["plain_cpu_ms_per_token_median"] > 0
+    assert variant["plain_cpu_ms_per_token_median"] > 0 and variant["step_alone_cpu_ms"] > 0
+    assert 0.5 < data["flash_attn_flip_agreement"] <= 1.0
+    assert sorted(data["drafter_cpu_ms"]) == [
+        "draft block 16", "draft block 2", "draft block 4", "draft block 8", "inject 1 row(s)", "inject 8 row(s)"
+    ]
+    assert all(ms > 0 for ms in data["drafter_cpu_ms"].values())
     table = kernels.to_markdown(report)
     assert "| Q4_1 (as shipped) |" in table and "t(4)/t(1)" in table and "decode tok/s" in table
 

@@ -36,9 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="+", default=[], help="only these categories")
     p.add_argument("--limit", type=_positive, help="at most N prompts per category")
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the shipped drafter)")
+    p.add_argument("--drafter", type=Path,
+                   help="dflash drafter GGUF (default: the shipped drafter); with --kernels, also time its passes")
     p.add_argument("--max-tokens", type=_positive, default=128, help="tokens to generate per prompt (default 128)")
-    p.add_argument("--repeats", type=_positive, default=2, help="timed runs per mode and prompt, interleaved (default 2)")
+    p.add_argument("--repeats", type=_positive, default=2,
+                   help="timed runs per mode and prompt, interleaved (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     p.add_argument("--threads", type=_positive, help="threads for target and drafter (default: the runtime's)")
     p.add_argument("--n-ctx", type=_positive, default=2048, help="context size (default 2048)")
@@ -89,15 +91,14 @@ def _kernels(args: argparse.Namespace) -> int:
     source = args.target or embedded_target()
     out = _check_out(args)
     threads = args.threads or 2
-    if args.requant_dir is not None:
-        if not args.requant_dir.is_dir():
-            raise ValueError(f"{args.requant_dir}: --requant-dir must be an existing directory")
-        variants = kernels.prepare_variants(source, args.requant_dir, n_threads=threads)
-        report = kernels.measure(variants, repeats=args.repeats, n_threads=threads, flash_attn=not args.no_flash_attn)
-    else:
-        with tempfile.TemporaryDirectory(prefix="dflash-requant-") as tmp:
-            variants = kernels.prepare_variants(source, Path(tmp), n_threads=threads)
-            report = kernels.measure(variants, repeats=args.repeats, n_threads=threads, flash_attn=not args.no_flash_attn)
+    if args.requant_dir is not None and not args.requant_dir.is_dir():
+        raise ValueError(f"{args.requant_dir}: --requant-dir must be an existing directory")
+    with tempfile.TemporaryDirectory(prefix="dflash-requant-") as tmp:
+        workdir = Path(tmp) if args.requant_dir is None else args.requant_dir
+        variants = kernels.prepare_variants(source, workdir, n_threads=threads)
+        report = kernels.measure(
+            variants, repeats=args.repeats, n_threads=threads, flash_attn=not args.no_flash_attn, drafter=args.drafter
+        )
     table = kernels.to_markdown(report)
     with atomic_output(out / f"{args.name}-kernels.json", force=True) as tmp:
         tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")

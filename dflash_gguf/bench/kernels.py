@@ -63,6 +63,7 @@ class VariantCosts:
     argmax_agreement: float | None = None  # share of positions whose argmax matches the reference variant
     plain_tokens_per_s: list[float] = field(default_factory=list)  # greedy plain generations, decode only
     plain_cpu_ms_per_token: list[float] = field(default_factory=list)
+    step_alone_cpu_ms: float | None = None  # median CPU time of consecutive 1-token decodes, this model only
 
     def best_s(self, n: int) -> float:
         """The fastest repeat: the one least disturbed by other processes."""
@@ -89,6 +90,9 @@ class KernelReport:
     flash_attn: bool
     system_info: str
     load_average: tuple[float, float, float]
+    # the first variant against itself with flash attention flipped: the agreement that kernel rounding alone gives
+    flash_attn_flip_agreement: float | None = None
+    drafter_cpu_ms: dict[str, float] = field(default_factory=dict)  # inject / draft passes, first variant
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -112,12 +116,14 @@ def measure(
     n_threads: int = 2,
     flash_attn: bool = True,
     generate_tokens: int = 64,
+    drafter: Path | None = None,
 ) -> KernelReport:
     """Time a target batch of each size (all rows output logits, as verification needs) for each variant.
 
     Every repeat visits every variant and size in a rotating order; a warm-up pass comes first.
     flash_attn defaults to on, as the Session opens its target. Then, unless generate_tokens is 0, greedy
-    plain generations of that many tokens through the Session (repeats // 10 interleaved rounds).
+    plain generations of that many tokens through the Session (repeats // 10 interleaved rounds), and with
+    a drafter, what its feature injection and draft passes cost next to the first variant.
     """
     if not variants:
         raise ValueError("no model variants to measure")
@@ -150,15 +156,81 @@ def measure(
                     if rep:
                         results[name].seconds[n].append(seconds)
                         results[name].cpu_seconds[n].append(cpu)
+        for name, target in targets.items():
+            results[name].step_alone_cpu_ms = _step_alone_cpu_ms(target, context)
         _argmax_agreement(targets, results)
+        first_path = next(iter(variants.values()))
+        flip_agreement = _flash_attn_flip_agreement(targets[names[0]], first_path, n_threads, not flash_attn)
     finally:
         for target in targets.values():
             target.close()
+    drafter_ms = _drafter_costs(first_path, drafter, n_threads, flash_attn, repeats) if drafter is not None else {}
     if generate_tokens:
         rounds = max(1, repeats // 10)
-        plain_generation(variants, list(results.values()), max_tokens=generate_tokens, repeats=rounds, n_threads=n_threads)
+        plain_generation(
+            variants, list(results.values()), max_tokens=generate_tokens, repeats=rounds, n_threads=n_threads
+        )
     system_info = llama_cpp.llama_print_system_info().decode()
-    return KernelReport(list(results.values()), sizes, repeats, n_threads, flash_attn, system_info, os.getloadavg())
+    return KernelReport(
+        list(results.values()), sizes, repeats, n_threads, flash_attn, system_info, os.getloadavg(),
+        flip_agreement, drafter_ms,
+    )
+
+
+def _step_alone_cpu_ms(target: Target, context: list[int], n: int = 20) -> float:
+    """Median CPU ms of n consecutive 1-token decodes of one model, nothing else in between."""
+    samples = [_time_batch(target, context, 1)[1] for _ in range(n)]
+    return 1e3 * statistics.median(samples)
+
+
+def _flash_attn_flip_agreement(reference: Target, path: Path, n_threads: int, flash_attn: bool) -> float:
+    """Argmax agreement of the same file with flash attention flipped: the floor kernel rounding sets."""
+    with Target.open(
+        path, n_ctx=reference.n_ctx, n_batch=reference.n_batch, n_threads=n_threads, flash_attn=flash_attn
+    ) as flipped:
+        tops = [_teacher_forced_argmax(t, text) for text in _agreement_texts() for t in (reference, flipped)]
+    return float(np.mean(np.concatenate(tops[0::2]) == np.concatenate(tops[1::2])))
+
+
+def _teacher_forced_argmax(target: Target, text: str) -> np.ndarray:
+    tokens = target.tokenize(text)[: target.n_batch]
+    target.clear()
+    target.decode(tokens, 0, logits=True)
+    tops = np.argmax(target.output_logits(), axis=1)
+    target.clear()
+    return tops
+
+
+def _drafter_costs(
+    target_path: Path, drafter_path: Path, n_threads: int, flash_attn: bool, repeats: int
+) -> dict[str, float]:
+    """Median CPU ms of injecting 1 and 8 feature rows, and of draft passes over blocks of 2, 4, 8, 16 tokens."""
+    from dflash_gguf.drafter import Drafter
+
+    out: dict[str, list[float]] = {}
+    with Target.open(target_path, n_ctx=1024, n_batch=64, n_threads=n_threads, flash_attn=flash_attn) as target:
+        with Drafter(drafter_path, target) as drafter:
+            context = _context_tokens(target)
+            target.decode(context, 0, logits=False)
+            drafter.inject(target.features(len(context)), 0)
+            pos = len(context)
+            blocks = [b for b in (2, 4, 8, 16) if b <= drafter.block_size]
+            for rep in range(repeats + 1):
+                for rows in (1, 8):
+                    target.decode(context[:rows], pos, logits=False)
+                    features = target.features(rows)
+                    start = time.process_time()
+                    drafter.inject(features, pos)
+                    if rep:
+                        out.setdefault(f"inject {rows} row(s)", []).append(time.process_time() - start)
+                    drafter.remove(pos)
+                    target.remove(0, pos)
+                for block in blocks:
+                    start = time.process_time()
+                    drafter.draft(context[-1], pos, block - 1)
+                    if rep:
+                        out.setdefault(f"draft block {block}", []).append(time.process_time() - start)
+    return {key: 1e3 * statistics.median(v) for key, v in out.items()}
 
 
 def plain_generation(
@@ -217,20 +289,16 @@ def _time_batch(target: Target, context: list[int], n: int) -> tuple[float, floa
 
 def _argmax_agreement(targets: dict[str, Target], results: dict[str, VariantCosts]) -> None:
     """Share of teacher-forced next-token argmaxes (over the built-in prompts) equal to the first variant's."""
-    argmax: dict[str, list[np.ndarray]] = {name: [] for name in targets}
-    for text in _agreement_texts():
-        for name, target in targets.items():
-            tokens = target.tokenize(text)[: target.n_batch]
-            target.clear()
-            target.decode(tokens, 0, logits=True)
-            argmax[name].append(np.argmax(target.output_logits(), axis=1))
-            target.clear()
-    reference = np.concatenate(argmax[next(iter(targets))])
+    texts = _agreement_texts()
+    argmax = {name: np.concatenate([_teacher_forced_argmax(t, text) for text in texts]) for name, t in targets.items()}
+    reference = argmax[next(iter(targets))]
     for name, tops in argmax.items():
-        results[name].argmax_agreement = float(np.mean(np.concatenate(tops) == reference))
+        results[name].argmax_agreement = float(np.mean(tops == reference))
 
 
-def prepare_variants(source: Path, workdir: Path, quants: Sequence[str] = ("Q4_0", "Q8_0"), *, n_threads: int = 2) -> dict[str, Path]:
+def prepare_variants(
+    source: Path, workdir: Path, quants: Sequence[str] = ("Q4_0", "Q8_0"), *, n_threads: int = 2
+) -> dict[str, Path]:
     """The source file plus one requantization per name in `quants`, made in `workdir` unless already there."""
     source = check_gguf_file(source)
     variants = {f"{_file_type(source)} (as shipped)": source}
@@ -277,8 +345,21 @@ def to_markdown(report: KernelReport) -> str:
         first_cpu = statistics.median(first.plain_cpu_ms_per_token)
         for v in report.variants:
             cpu = statistics.median(v.plain_cpu_ms_per_token)
-            rows.append(f"| {v.name} | {statistics.median(v.plain_tokens_per_s):.1f} | {cpu:.2f} | {first_cpu / cpu:.2f}x |")
+            tps = statistics.median(v.plain_tokens_per_s)
+            rows.append(f"| {v.name} | {tps:.1f} | {cpu:.2f} | {first_cpu / cpu:.2f}x |")
         rows.append("")
+    alone = ", ".join(f"{v.name} {v.step_alone_cpu_ms:.2f} ms" for v in report.variants if v.step_alone_cpu_ms)
+    if alone:
+        rows += [f"1-token step alone (20 consecutive decodes of one model, median CPU): {alone}.", ""]
+    if report.flash_attn_flip_agreement is not None:
+        rows += [
+            f"{first.name} against itself with flash attention flipped: "
+            f"{report.flash_attn_flip_agreement * 100:.1f}% argmax agreement (what kernel rounding alone gives).",
+            "",
+        ]
+    if report.drafter_cpu_ms:
+        costs = ", ".join(f"{k} {v:.2f} ms" for k, v in report.drafter_cpu_ms.items())
+        rows += [f"drafter next to {first.name} (median CPU): {costs}.", ""]
     load = ", ".join(f"{x:.1f}" for x in report.load_average)
     rows.append(
         f"{report.repeats} interleaved repeats, n_threads={report.n_threads}, flash attention "

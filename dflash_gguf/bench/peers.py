@@ -169,8 +169,8 @@ def _server_generation(base: str, body: dict, repeat: int) -> Generation:
     tokens = [int(t) for t in reply.get("tokens", [])] or [0] * n
     # llama-server times n generated tokens over predicted_ms (the first one included): keep that rate
     generation = Generation(
-        "llama-server", repeat, tokens, prefill_s=prefill_s, ttft_s=prefill_s, decode_s=decode_s * (n - 1) / n if n else 0.0,
-        n_drafted=drafted, n_accepted=accepted,
+        "llama-server", repeat, tokens, prefill_s=prefill_s, ttft_s=prefill_s,
+        decode_s=decode_s * (n - 1) / n if n else 0.0, n_drafted=drafted, n_accepted=accepted,
     )
     return generation
 
@@ -219,7 +219,8 @@ def reference_tau(
     cls = zlab.DFlash2DraftModel if _is_dflash2(reference_drafter) else zlab.DFlashDraftModel
     drafter = cls.from_pretrained(str(reference_drafter), dtype=torch.float32).eval()
     stop = [t for t in (hf_target.config.eos_token_id,) if t is not None]
-    result = PeerResult(name, True, f"transformers {transformers.__version__}, float32 on CPU, target dequantized from {target.name}")
+    what = f"transformers {transformers.__version__}, float32 on CPU, target dequantized from {target.name}"
+    result = PeerResult(name, True, what)
     original_clock = zlab._cuda_time
     zlab._cuda_time = time.perf_counter
     try:
