@@ -80,7 +80,7 @@ class ChatApp(App[None]):
         Binding("ctrl+t", "toggle_colours", "Colours"),
         Binding("ctrl+s", "toggle_stats", "Stats"),
         Binding("ctrl+g", "compare", "Compare"),
-        Binding("f5", "recalibrate", "Recalibrate"),
+        Binding("f5", "recalibrate", "Calibrate"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -107,7 +107,7 @@ class ChatApp(App[None]):
                 yield Transcript(id="transcript")
                 yield PromptInput(placeholder="Ask something — Enter sends, ↑ recalls", id="prompt")
             yield StatsPanel(hide_timing=self.options.hide_timing, id="stats")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self.sub_title = self._subtitle()

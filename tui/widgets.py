@@ -159,6 +159,7 @@ class PromptInput(Input):
     """The prompt box; ↑/↓ walk back and forth through the prompts already sent."""
 
     BINDINGS = [
+        Binding("enter", "submit", "Send", key_display="⏎"),
         Binding("up", "history(-1)", "Previous prompt", show=False),
         Binding("down", "history(1)", "Next prompt", show=False),
     ]
