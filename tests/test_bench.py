@@ -79,6 +79,12 @@ def test_requantize_refuses_unknown_types_before_libllama(tmp_path, embedded_tar
     assert list(tmp_path.iterdir()) == []
 
 
+def test_advice_only_for_weight_types_without_repacked_kernels(embedded_target, tmp_path) -> None:
+    assert "Q8_0 requantization" in kernels.kernel_advice(embedded_target)
+    q8 = kernels.requantize(embedded_target, tmp_path / "q8.gguf", "Q8_0")
+    assert kernels.kernel_advice(q8) is None
+
+
 def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path) -> None:
     report = kernels.measure(
         {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4,
@@ -132,6 +138,7 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     assert set(summary) == {"all", "math", "code"}
     assert summary["all"]["prompts"] == 2 and summary["all"]["median_speedup"] > 0
     assert data["machine"]["backend"] == "CPU" and data["machine"]["n_threads"] == 2
+    assert "is Q4_1: ggml has no repacked CPU kernels" in data["settings"]["advice"]
     assert data["machine"]["llama_cpp_python"] == "0.3.36"
     assert data["memory"]["peak_rss_final_mib"] > 50 and "ru_maxrss" in data["memory"]["memory_note"]
     peers = {p["name"]: p for p in data["peers"]}

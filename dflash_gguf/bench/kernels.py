@@ -296,6 +296,32 @@ def _argmax_agreement(targets: dict[str, Target], results: dict[str, VariantCost
         results[name].argmax_agreement = float(np.mean(tops == reference))
 
 
+# file types whose weights have no repacked CPU GEMV/GEMM kernel in this ggml (repack.cpp)
+_NO_REPACK_FTYPES = {
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1: "Q4_1",
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0: "Q5_0",
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1: "Q5_1",
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_S: "Q3_K_S",
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M: "Q3_K_M",
+    llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_L: "Q3_K_L",
+}
+
+
+def kernel_advice(target: Path) -> str | None:
+    """A note for targets whose weight type makes batched verification expensive on CPU, else None."""
+    from dflash_gguf.target_gguf import field_value, open_gguf
+
+    ftype = field_value(open_gguf(target), "general.file_type")
+    name = _NO_REPACK_FTYPES.get(int(ftype)) if ftype is not None else None
+    if name is None:
+        return None
+    return (
+        f"{target.name} is {name}: ggml has no repacked CPU kernels for it, so verifying a block costs close to "
+        "one decode step per token; a one-time Q8_0 requantization keeps the model and makes blocks cheaper "
+        "(measure with dflash-bench --kernels --target FILE)"
+    )
+
+
 def prepare_variants(
     source: Path, workdir: Path, quants: Sequence[str] = ("Q4_0", "Q8_0"), *, n_threads: int = 2
 ) -> dict[str, Path]:

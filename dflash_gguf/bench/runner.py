@@ -18,6 +18,7 @@ from dflash_gguf.train.prompts import Prompt
 from dflash_gguf.target import default_threads
 
 from . import peers as peer_runs
+from .kernels import kernel_advice
 from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
 
@@ -180,6 +181,9 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "sampling": "greedy",
         "order": "per prompt: plain, DFlash, plain, DFlash, ... (A B A B)",
     }
+    advice = kernel_advice(Path(paths[0]))
+    if advice:
+        settings["advice"] = advice
     memory = {
         "peak_rss_after_load_mib": round(rss_loaded, 1),
         "peak_rss_after_benchmark_mib": round(rss_bench, 1),
