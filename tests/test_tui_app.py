@@ -286,18 +286,31 @@ def test_prompt_history_recalls_with_up_arrow(session) -> None:
 
 
 def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:
-    app = ChatApp(session, options(max_tokens=8))
+    app = ChatApp(session, options(max_tokens=16))
+    # prompt tokens the chat template adds around one word, measured through the public chat API
+    template_tokens = session.chat([{"role": "user", "content": "apple"}], max_tokens=1).stats.n_prompt_tokens - 1
+    n_ctx = 1024
 
     async def scenario(pilot: Pilot) -> None:
-        too_long = "apple " * 1100  # more tokens than the 1024-token context
-        app.query_one("#prompt").value = too_long
+        # a prompt longer than the context: the reply fails, the app goes on
+        app.query_one("#prompt").value = "apple " * 1100
         await press_and_wait(pilot, "enter")
         [failed] = replies(app)
         assert failed.has_class("-failed")
-        assert str(failed.query_one(".status", Static).content).strip()
+        assert "longer than the context" in str(failed.query_one(".status", Static).content)
         assert app.history == []  # the prompt that could not run left the conversation
         await send_and_wait(pilot, SHORT_PROMPT)
         assert shown_markdown(replies(app)[-1]).strip()
+
+        # a prompt that leaves 4 tokens of room: the reply stops when the context is full, and says so
+        await pilot.press("ctrl+n")
+        app.query_one("#prompt").value = " ".join(["apple"] * (n_ctx - template_tokens - 4))
+        await press_and_wait(pilot, "enter")
+        [reply] = replies(app)
+        status = str(reply.query_one(".status", Static).content)
+        assert "finished: length (context full)" in status
+        # 4 decoded into the last free positions, plus the final token, sampled but never decoded
+        assert number(figures(app)["tokens"]) <= 5
 
     run_app(app, scenario)
 
