@@ -8,7 +8,7 @@ from dflash_gguf.convert.checkpoint import Checkpoint, load_checkpoint
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.writer import OUTTYPES, write_drafter_gguf
 from dflash_gguf.schema import hf_layer_to_gguf
-from dflash_gguf.target_gguf import TargetInfo, read_target_info
+from dflash_gguf.target_gguf import TargetInfo, check_feature_layers, read_target_info
 
 
 def check_pair(ckpt: Checkpoint, target: TargetInfo) -> None:
@@ -21,13 +21,13 @@ def check_pair(ckpt: Checkpoint, target: TargetInfo) -> None:
         raise ConversionError(
             f"{where}: target hidden size {target.n_embd} does not match the drafter's {cfg.hidden_size} ({ckpt.config_path})"
         )
-    layers = hf_layer_to_gguf(list(cfg.target_layer_ids))
-    bad = [i for i in layers if not 1 <= i <= target.n_layer]
-    if bad:
+    try:
+        check_feature_layers(target.architecture, target.n_layer, hf_layer_to_gguf(list(cfg.target_layer_ids)))
+    except ValueError as e:
         raise ConversionError(
-            f"{where}: the drafter reads target layers {list(cfg.target_layer_ids)} but the target has {target.n_layer} layers "
-            f"(target_layer_ids must be < {target.n_layer}; {ckpt.config_path})"
-        )
+            f"{where}: the drafter reads target layers {list(cfg.target_layer_ids)} (HF target_layer_ids), "
+            f"which this {target.n_layer}-layer target cannot hand over: {e} ({ckpt.config_path})"
+        ) from None
     if cfg.vocab_size != target.n_vocab:
         raise ConversionError(
             f"{where}: target vocabulary has {target.n_vocab} tokens, the drafter's {cfg.vocab_size} ({ckpt.config_path})"

@@ -19,21 +19,11 @@ from llama_cpp._logger import set_verbose
 
 from . import llama_ext
 from .schema import Keys
+from .target_gguf import check_feature_layers
 from .target_gguf import fingerprint as gguf_fingerprint
 
 GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
-
-# Architectures whose libllama 0.3.36 graph records layer inputs (`res->t_layer_inp`, src/models/*.cpp),
-# and whether it also records the final hidden state (layer id n_layer). Capturing anything
-# else hits a GGML_ASSERT inside llama_decode, so capture() refuses it up front.
-LAYER_CAPTURE_ARCHS: dict[str, bool] = {
-    "llama": False, "qwen3": False, "qwen3moe": False, "qwen35": False, "qwen35moe": False,
-    "qwen3next": False, "qwen4exp": False, "gemma4": False, "gpt-oss": False, "lfm2": False,
-    "bailingmoe3": False, "hunyuan_vl": False, "minimax-01": False, "minimax-m2": False,
-    "muse-glimmer": False, "nanbeige": False,
-    "mimo2": True, "nemotron_h": True, "deepseek4": True,
-}
 
 LogitsSpec = Union[bool, str, Sequence[bool]]
 
@@ -284,18 +274,10 @@ class Target(NativeResource):
     # -- layer capture ---------------------------------------------------------------------
     def check_layers(self, layers: Sequence[int]) -> list[int]:
         """The layer-input ids as ints, or ValueError if libllama cannot capture them on this target."""
-        if self.architecture not in LAYER_CAPTURE_ARCHS:
-            raise ValueError(
-                f"libllama cannot capture layer inputs of a {self.architecture!r} target "
-                f"(supported: {', '.join(sorted(LAYER_CAPTURE_ARCHS))})"
-            )
         ids = [int(i) for i in layers]
         if not ids:
             raise ValueError("capture() needs at least one layer id")
-        top = self.n_layer if LAYER_CAPTURE_ARCHS[self.architecture] else self.n_layer - 1
-        bad = [i for i in ids if not 0 <= i <= top]
-        if bad:
-            raise ValueError(f"layer ids {bad} out of range: this {self.architecture} target exposes layer inputs 0..{top}")
+        check_feature_layers(self.architecture, self.n_layer, ids)
         return ids
 
     def capture(self, layers: Sequence[int]) -> None:

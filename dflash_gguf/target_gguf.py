@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import gguf
 import numpy as np
@@ -40,6 +40,31 @@ class MetadataField:
     value: Any
     type: gguf.GGUFValueType
     sub_type: gguf.GGUFValueType | None = None
+
+
+# Architectures whose libllama 0.3.36 graph records layer inputs (`res->t_layer_inp`, src/models/*.cpp),
+# and whether it also records the final hidden state (layer id n_layer). Capturing anything
+# else hits a GGML_ASSERT inside llama_decode, so both the converter and the Target refuse it up front.
+LAYER_CAPTURE_ARCHS: dict[str, bool] = {
+    "llama": False, "qwen3": False, "qwen3moe": False, "qwen35": False, "qwen35moe": False,
+    "qwen3next": False, "qwen4exp": False, "gemma4": False, "gpt-oss": False, "lfm2": False,
+    "bailingmoe3": False, "hunyuan_vl": False, "minimax-01": False, "minimax-m2": False,
+    "muse-glimmer": False, "nanbeige": False,
+    "mimo2": True, "nemotron_h": True, "deepseek4": True,
+}
+
+
+def check_feature_layers(architecture: str, n_layer: int, layers: Sequence[int]) -> None:
+    """ValueError unless libllama can hand over these layer inputs (GGUF ids) of such a target."""
+    if architecture not in LAYER_CAPTURE_ARCHS:
+        raise ValueError(
+            f"libllama cannot capture layer inputs of a {architecture!r} target "
+            f"(supported: {', '.join(sorted(LAYER_CAPTURE_ARCHS))})"
+        )
+    top = n_layer if LAYER_CAPTURE_ARCHS[architecture] else n_layer - 1
+    bad = [int(i) for i in layers if not 0 <= int(i) <= top]
+    if bad:
+        raise ValueError(f"layer ids {bad} out of range: this {architecture} target exposes layer inputs 0..{top}")
 
 
 @dataclass(frozen=True)

@@ -245,9 +245,13 @@ def test_recurrent_target(capsys, reference_checkpoint, tmp_path, out):
 
 
 def test_checkpoint_reading_layers_the_embedded_target_lacks(capsys, tmp_path, embedded_target, out):
-    ckpt = make_reference_checkpoint(tmp_path / "deep", target_layer_ids=(1, 8, 15, 22, 30))
+    # HF id 29 is the last layer's output: GGUF input id 30 = n_layer, which libllama's llama graph never records
+    ckpt = make_reference_checkpoint(tmp_path / "deep", target_layer_ids=(1, 8, 15, 22, 29))
     capsys.readouterr()  # save_pretrained's own progress output
-    assert_bad_input(capsys, out, ckpt, out, "--target", embedded_target, mentions=(str(embedded_target), "[1, 8, 15, 22, 30]", "30 layers"))
+    assert_bad_input(
+        capsys, out, ckpt, out, "--target", embedded_target,
+        mentions=(str(embedded_target), "[1, 8, 15, 22, 29]", "30-layer", "layer inputs 0..29"),
+    )
 
 
 def test_mask_token_outside_the_vocabulary(capsys, ckpt, out):

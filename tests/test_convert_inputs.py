@@ -181,10 +181,10 @@ def test_interleaved_rope_checkpoints_are_permuted_to_neox_order(reference_check
 
 
 def test_mrope_target_gets_degenerate_rope_sections(reference_checkpoint, embedded_target, tmp_path):
-    # the embedded target's geometry and tokenizer, re-labelled as an M-RoPE model (sections as Qwen2-VL writes them)
-    sections = MetadataField("qwen2vl.rope.dimension_sections", [16, 24, 24, 0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+    # the embedded target's geometry and tokenizer, re-labelled as an M-RoPE HunYuan-VL (a transformer whose layer inputs libllama records)
+    sections = MetadataField("hunyuan_vl.rope.dimension_sections", [16, 24, 24, 0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
     target = write_metadata_gguf(
-        tmp_path / "mrope_target.gguf", "qwen2vl", n_embd=576, n_layer=30,
+        tmp_path / "mrope_target.gguf", "hunyuan_vl", n_embd=576, n_layer=30,
         fields=(sections, *read_target_info(embedded_target).tokenizer_fields),
     )
     out = convert_checkpoint(reference_checkpoint, tmp_path / "d.gguf", target=target, progress=False)
