@@ -130,6 +130,8 @@ def test_finished_reply_is_markdown_with_its_stats(session) -> None:
         assert number(shown["drafted"]) >= 3  # block 4: three drafts per cycle
         assert number(shown["τ"]) >= 1.0
         assert number(shown["decode"]) > 0
+        assert number(shown["prefill"]) > 0
+        assert 1 <= number(shown["tokens"]) <= 24  # max_tokens
         assert shown["reason"] == "fixed block 4"
         panel = app.query_one(StatsPanel)
         assert len(panel.query_one(AcceptanceHistogram).rates) == 3
@@ -183,14 +185,10 @@ def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
         assert app.history[-1] == {"role": "assistant", "content": partial}
         assert number(figures(app)["cycles"]) < 200
 
-        first_prefill = number(figures(app)["prefill"])
-        first_tokens = number(figures(app)["tokens"])
         # the conversation goes on from the partial reply, through the chat template
         await send_and_wait(pilot, SHORT_PROMPT)
         assert len(replies(app)) == 2
         assert [m["role"] for m in app.history] == ["user", "assistant", "user", "assistant"]
-        # prefix reuse: only the new turn is prefilled, not the whole conversation again
-        assert number(figures(app)["prefill"]) < first_prefill + first_tokens
 
     run_app(app, scenario)
 

@@ -34,6 +34,7 @@ class StepLike(Protocol):
     n_accepted: int
     block_size: int
     reason: str
+    verify_s: float
     finish_reason: str | None
 
 

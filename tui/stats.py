@@ -17,8 +17,8 @@ class ReplyStats:
     """Counters of one reply; `observe` takes each Step with the perf_counter time it arrived.
 
     The first Step of a reply is the token sampled from the prefill: it counts as a token but not as a
-    decoding cycle, and timing starts when it arrives. Its block_size is the number of prompt tokens
-    prefilled, which is what the Session's prefix reuse leaves to decode.
+    decoding cycle, and timing starts when it arrives. Its verify_s is the prefill time, short on a
+    follow-up turn because the Session reuses the cached prefix.
     """
 
     cycles: int = 0
@@ -31,7 +31,7 @@ class ReplyStats:
     accepted_per_cycle: list[int] = field(default_factory=list)
     block_size: int | None = None
     reason: str = ""
-    prefill_tokens: int | None = None
+    prefill_s: float | None = None
     _first_at: float | None = None
     _last_at: float | None = None
     _tokens_after_first: int = 0
@@ -43,7 +43,7 @@ class ReplyStats:
         self._last_at = at
         if self._first_at is None:
             self._first_at = at
-            self.prefill_tokens = step.block_size
+            self.prefill_s = step.verify_s
             return
         self._tokens_after_first += n_tokens
         if step.block_size == 0:  # a closing Step that decoded nothing (the context is full)

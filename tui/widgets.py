@@ -221,6 +221,12 @@ def _speed(value: float | None, hide: bool) -> str:
     return f"{HIDDEN} tok/s" if hide else f"{value:.1f} tok/s"
 
 
+def _seconds(value: float | None, hide: bool) -> str:
+    if value is None:
+        return "—"
+    return f"{HIDDEN} ms" if hide else f"{value * 1000:.0f} ms"
+
+
 def _ratio(value: float | None, hide: bool) -> str:
     if value is None:
         return "—"
@@ -256,7 +262,7 @@ class StatsPanel(VerticalScroll):
             ("plain", plain_note if plain_tokens_per_s is None else _speed(plain_tokens_per_s, hide)),
             ("speedup", _ratio(speedup, hide)),
             ("tokens", str(stats.tokens)),
-            ("prefill", "—" if stats.prefill_tokens is None else f"{stats.prefill_tokens} tokens"),
+            ("prefill", _seconds(stats.prefill_s, hide)),
             ("τ", "—" if stats.tau is None else f"{stats.tau:.2f} tok/cycle"),
             ("drafted", str(stats.drafted)),
             ("accepted", str(stats.accepted)),
