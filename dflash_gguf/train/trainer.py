@@ -287,6 +287,7 @@ class Trainer:
         result = {
             "tau": tau,
             "tau_all": expected_acceptance(np.concatenate(all_hits)) if all_hits else math.nan,
+            "slot_accuracy": np.concatenate(all_hits).mean(axis=0).round(4).tolist() if all_hits else [],
             "loss": float(np.mean(losses)) if losses else math.nan,
         }
         return result
@@ -353,7 +354,7 @@ class Trainer:
         self._tick()
         row = {
             "step": self.step, "train_loss": loss, "train_acc": acc, "eval_loss": ev["loss"],
-            "tau": ev["tau"], "tau_all": ev["tau_all"], "trained_tokens": self.n_trained_tokens,
+            "tau": ev["tau"], "tau_all": ev["tau_all"], "slot_accuracy": ev["slot_accuracy"], "trained_tokens": self.n_trained_tokens,
             "data_sequences": len(self.data.train.records), "data_tokens": self.data.train.n_tokens,
             "train_seconds": round(self.elapsed, 1), "lr": lr_at(self.step, self.cfg),
         }
