@@ -93,6 +93,11 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
     return args, ChatOptions(generation=generation, system=args.system)
 
 
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, options = parse_options(argv)
     # imported late: `--help` and flag errors stay instant
@@ -108,17 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_threads=args.n_threads,
         )
     except (ValueError, OSError, RuntimeError) as error:  # files that are not a usable target/drafter pair
-        print(f"{PROG}: error: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}", file=sys.stderr)
-        return 2
+        lines = str(error).strip().splitlines()
+        return _fail(lines[0] if lines else type(error).__name__)
     with session:
         drafter = session.drafter
-        if args.block_size is not None and drafter is not None and args.block_size > drafter.block_size:
-            print(
-                f"{PROG}: error: argument --block-size: {args.block_size} exceeds the drafter's block size "
-                f"{drafter.block_size}",
-                file=sys.stderr,
-            )
-            return 2
+        if drafter is None:
+            print(f"{PROG}: no drafter, every reply is plain decoding (--drafter FILE adds one)", file=sys.stderr)
+        elif args.block_size is not None and args.block_size > drafter.block_size:
+            return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {drafter.block_size}")
         from dflash_gguf.tui.app import ChatApp
 
         ChatApp(session, options).run()
