@@ -19,7 +19,7 @@ from textual.pilot import Pilot
 from textual.widgets import Collapsible, Markdown, Sparkline, Static
 
 from dflash_gguf.session import Session
-from dflash_gguf.tui.app import ChatApp
+from dflash_gguf.tui.app import MEASURING, ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
 from dflash_gguf.tui.provenance import Provenance
 from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
@@ -254,7 +254,7 @@ def test_calibration_measures_plain_speed_and_speedup_is_their_ratio(session) ->
     app = ChatApp(session, options(max_tokens=16, calibrate=True))
 
     async def scenario(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.plain_note != "measuring…", "the calibration")
+        await wait_for(pilot, lambda: app.plain_note != MEASURING, "the calibration")
         assert app.plain_note == "measured"
         assert app.plain_tokens_per_s is not None and app.plain_tokens_per_s > 0
         await send_and_wait(pilot, SHORT_PROMPT)
@@ -356,7 +356,7 @@ async def _steady(pilot: Pilot) -> None:
     """Calibration done and the cursor not blinking, so the screenshot is the same every run."""
     app: ChatApp = pilot.app  # type: ignore[assignment]
     app.query_one("#prompt").cursor_blink = False
-    await wait_for(pilot, lambda: app.plain_note != "measuring…", "the calibration")
+    await wait_for(pilot, lambda: app.plain_note != MEASURING, "the calibration")
 
 
 async def _finished_reply(pilot: Pilot) -> None:

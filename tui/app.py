@@ -42,6 +42,7 @@ from dflash_gguf.tui.worker import SessionWorker
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
 FLUSH_INTERVAL_S = 1 / 20
 BUSY_HINT = "Still generating — Esc cancels it."
+MEASURING = "measuring…"
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ChatApp(App[None]):
         self.last_reply_speed: float | None = None
         self.last_reply_text: str | None = None
         self.plain_tokens_per_s: float | None = None
-        self.plain_note = "measuring…" if self.options.calibrate_on_start else "not measured (F5)"
+        self.plain_note = MEASURING if self.options.calibrate_on_start else "not measured (F5)"
         self._turns = 0
 
     def compose(self) -> ComposeResult:
@@ -163,6 +164,8 @@ class ChatApp(App[None]):
             widget.add_class("-compare")
         self.reply = Reply(self._turns, widget, speculative)
         self.transcript.mount(widget)
+        if self.plain_note == MEASURING:  # the Session is busy with the calibration: say why nothing comes yet
+            widget.wait("waiting for the plain-decoding calibration…")
         self.busy = True
         self.stats_panel.show(self.reply.stats, self.plain_tokens_per_s, self.plain_note)
         gen = self.options.generation.session_kwargs(speculative=speculative)
@@ -187,6 +190,8 @@ class ChatApp(App[None]):
         if reply is None:
             return
         step = message.step
+        if reply.stats.tokens == 0:
+            reply.widget.wait(None)
         reply.stats.observe(step, message.at)
         if step.finish_reason is not None and step.block_size == 0:
             reply.closing_note = step.reason
@@ -322,7 +327,7 @@ class ChatApp(App[None]):
 
     def action_recalibrate(self) -> None:
         """Measure plain decoding again (after a queued reply, if one is running)."""
-        self.plain_note = "measuring…"
+        self.plain_note = MEASURING
         self._refresh_stats()
         self._calibrate()
 

@@ -144,6 +144,11 @@ class AssistantMessage(Vertical):
         self.add_class("-failed")
         self.set_status(error)
 
+    def wait(self, why: str | None) -> None:
+        """Show why the reply has not started (None: it has)."""
+        self.set_class(why is not None, "-waiting")
+        self.set_status(why or "")
+
     def set_status(self, status: str) -> None:
         self.query_one(".status", Static).update(status)
 
