@@ -150,6 +150,8 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
 
     markdown = (out / "tiny.md").read_text()
     assert "## Summary by category" in markdown and "| gsm8k_train-7467 | math |" in markdown
+    assert "- goal: median speedup >= 1.5x on math and code: " in markdown
+    assert "- goal: speedup >= 0.95x on every prompt: slowest " in markdown
     assert "unavailable — needs --reference-drafter" in markdown
     assert markdown in stdout
 

@@ -51,7 +51,7 @@ def to_markdown(result: BenchResult) -> str:
             f"{_f(dfl['verify_ms_per_cycle'], '.2f')} | {_pct(dfl['overhead_share'])} | "
             f"{_pct(dfl['plain_cycle_share'])} | {s['outputs_identical']}/{s['prompts']} |"
         )
-    lines += ["", "## Per prompt", ""]
+    lines += ["", *_goal_lines(result), "", "## Per prompt", ""]
     lines += [
         "| prompt | category | tokens | plain tok/s | DFlash tok/s | speedup | τ | TTFT plain ms | TTFT DFlash ms | "
         "prefill ms | draft ms/cycle | verify ms/cycle | overhead | identical |",
@@ -98,6 +98,31 @@ def to_markdown(result: BenchResult) -> str:
     for key, value in {**d["settings"], **d["machine"], **d["memory"]}.items():
         lines.append(f"- {key}: {value}")
     return "\n".join(lines) + "\n"
+
+
+GOAL_MEDIAN_SPEEDUP = 1.5  # on math and code prompts (issue goals, checked here, never by timed tests)
+GOAL_MIN_SPEEDUP = 0.95  # on every prompt: the adaptive runtime must step aside where it loses
+
+
+def _goal_lines(result: BenchResult) -> list[str]:
+    """The project's speed goals against this run's figures, met or not."""
+    import statistics
+
+    speedups = {p.id: p.speedup() for p in result.prompts}
+    targeted = [s for p in result.prompts if p.category in ("math", "code") and (s := speedups[p.id]) is not None]
+    lines = []
+    if targeted:
+        median = statistics.median(targeted)
+        verdict = "met" if median >= GOAL_MEDIAN_SPEEDUP else "not met"
+        lines.append(f"- goal: median speedup >= {GOAL_MEDIAN_SPEEDUP}x on math and code: {median:.2f}x, {verdict}")
+    measured = {pid: s for pid, s in speedups.items() if s is not None}
+    if measured:
+        worst = min(measured, key=measured.get)
+        verdict = "met" if measured[worst] >= GOAL_MIN_SPEEDUP else "not met"
+        lines.append(
+            f"- goal: speedup >= {GOAL_MIN_SPEEDUP}x on every prompt: slowest {worst} at {measured[worst]:.2f}x, {verdict}"
+        )
+    return lines
 
 
 def write_plot(result: BenchResult, path: Path) -> Path:
