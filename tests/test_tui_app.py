@@ -190,6 +190,7 @@ def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
         assert len(replies(app)) == 2
         assert [m["role"] for m in app.history] == ["user", "assistant", "user", "assistant"]
 
+
     run_app(app, scenario)
 
 
@@ -265,12 +266,23 @@ def test_calibration_measures_plain_speed_and_speedup_is_their_ratio(session) ->
     run_app(app, scenario)
 
 
-def test_prompt_history_recalls_with_up_arrow(session) -> None:
+def cache_use(message: AssistantMessage) -> tuple[int, int]:
+    """(prompt tokens, of which reused from the Session's cache) from a finished reply's status line."""
+    status = str(message.query_one(".status", Static).content)
+    [(prompt_tokens, cached)] = re.findall(r"prompt (\d+) tokens, (\d+) cached", status)
+    return int(prompt_tokens), int(cached)
+
+
+def test_second_turn_reuses_the_first_from_the_cache_and_up_recalls_prompts(session) -> None:
     app = ChatApp(session, options(max_tokens=4))
 
     async def scenario(pilot: Pilot) -> None:
         await send_and_wait(pilot, "Hi")
+        first_prompt, _ = cache_use(replies(app)[-1])
         await send_and_wait(pilot, "Bye")
+        # multi-turn through the chat template: the whole first turn comes from the cache
+        prompt_tokens, cached = cache_use(replies(app)[-1])
+        assert first_prompt <= cached < prompt_tokens
         prompt = app.query_one("#prompt")
         assert prompt.value == ""
         await pilot.press("up")

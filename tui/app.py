@@ -221,6 +221,8 @@ class ChatApp(App[None]):
             if reply.closing_note:
                 status += f" ({reply.closing_note})"
                 self.notify(f"{reply.closing_note} — Ctrl+N starts a new chat", severity="warning")
+            if message.cached_tokens is not None:
+                status += f" · prompt {message.prompt_tokens} tokens, {message.cached_tokens} cached"
         reply.widget.finish(text, status)
         if reply.speculative:
             self.last_stats = reply.stats

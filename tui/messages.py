@@ -20,13 +20,26 @@ class StepArrived(Message):
 
 
 class ReplyFinished(Message):
-    """Reply `turn` ended: the Session's finish reason, or cancelled by the user."""
+    """Reply `turn` ended: the Session's finish reason, or cancelled by the user.
 
-    def __init__(self, turn: int, finish_reason: str | None, cancelled: bool) -> None:
+    `prompt_tokens` / `cached_tokens`: the prompt's length and how much of it the Session found in its
+    KV cache (prefix reuse), when the reply ran to its end.
+    """
+
+    def __init__(
+        self,
+        turn: int,
+        finish_reason: str | None,
+        cancelled: bool,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
         super().__init__()
         self.turn = turn
         self.finish_reason = finish_reason
         self.cancelled = cancelled
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
 
 
 class ReplyFailed(Message):

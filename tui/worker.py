@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from textual.message import Message
 
-from dflash_gguf import session as session_module
-from dflash_gguf.decoding import Step
 from dflash_gguf.session import Session
 from dflash_gguf.tui.calibration import measure_plain_speed
 from dflash_gguf.tui.messages import (
@@ -25,19 +23,6 @@ from dflash_gguf.tui.messages import (
     StepArrived,
 )
 from dflash_gguf.tui.provenance import ProvenanceSplitter
-
-
-def stream_chat(session: Session, messages: Sequence[dict[str, str]], **gen: Any) -> Iterator[Step]:
-    """Session.chat, one Step per cycle: the GGUF chat template, its stop strings, the cached prefix reused.
-
-    Session has no public chat-streaming method yet (Session.stream_chat is requested from the runtime);
-    until then this is Session.chat's body with the Steps handed out instead of collected.
-    """
-    prompt, template_stops = session._render(messages)
-    stop = gen.pop("stop", None)
-    user_stops = [stop] if isinstance(stop, str) else list(stop or [])
-    config = session_module._config(stop=user_stops + template_stops, **gen)
-    return session._steps(session._tokenize(prompt, add_special=False), config)
 
 
 def one_line(error: BaseException) -> str:
@@ -72,7 +57,8 @@ class SessionWorker:
                 return
             splitter = ProvenanceSplitter(self._session.target.token_bytes)
             try:
-                steps = stream_chat(self._session, list(messages), **gen_kwargs)
+                # the GGUF chat template, its stop strings, and the cached prefix of the last turn reused
+                steps = self._session.stream_chat(list(messages), **gen_kwargs)
                 try:
                     for step in steps:
                         self._post(StepArrived(turn, step, splitter.split(step), time.perf_counter()))
@@ -85,7 +71,11 @@ class SessionWorker:
             except Exception as error:  # any failure of the run is shown in the UI, which keeps running
                 self._post(ReplyFailed(turn, one_line(error)))
                 return
-        self._post(ReplyFinished(turn, finish_reason, cancelled))
+            stats = None if cancelled else self._session.last_stats
+        if stats is None:
+            self._post(ReplyFinished(turn, finish_reason, cancelled))
+        else:
+            self._post(ReplyFinished(turn, finish_reason, cancelled, stats.n_prompt_tokens, stats.n_cached_tokens))
 
     def calibrate(self, gen_kwargs: dict[str, Any]) -> None:
         """Measure plain decoding on this machine and post the result."""
