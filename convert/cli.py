@@ -5,26 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
+from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
 from dflash_gguf.convert.converter import convert_checkpoint
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.info import drafter_info, format_info
 from dflash_gguf.convert.writer import OUTTYPES
 
 PROG = "dflash-convert"
-EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line like every other bad input."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description="Convert a z-lab DFlash / DFlash2 safetensors checkpoint into a `dflash` GGUF drafter.",
         epilog="SRC may be model.safetensors (config.json beside it), a model.safetensors.index.json, or the checkpoint directory.",

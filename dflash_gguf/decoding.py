@@ -3,7 +3,8 @@
 Modelled on z-lab's `dflash_generate`: a block is [last committed token, d1..dk]; after verification
 the KV rows of the rejected drafts are dropped from both caches, the features of the committed block
 tokens (last + accepted drafts) go into the drafter, and the target's bonus token starts the next block.
-Plain decoding (no drafter, or a cycle the controller keeps plain) runs through the same loop.
+Plain decoding (no drafter, or a cycle the controller keeps plain) runs through the same loop; the
+drafter is given the features of plain cycles in one batch when it next drafts.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def decode_steps(
     last = _pick(target.output_logits()[-1:], params, rng)
     prefill_s = time.perf_counter() - t0
 
+    # features of committed rows not yet given to the drafter: injected in one batch before the next
+    # draft, so that cycles the controller keeps plain pay no drafter call at all
+    pending: list[np.ndarray] = []
+
     step, done = _commit([last], text, target, config, 0)
     n_generated = 1
     yield Step(step.tokens, step.text, 0, 0, None, 1, "prefill", 0.0, prefill_s, done)
@@ -158,6 +163,7 @@ def decode_steps(
         t_draft = time.perf_counter()
         proposal = None
         if n_draft > 0:
+            _flush(drafter, pending, cache)
             proposal = drafter.propose(last, n_past, n_draft, params, rng)
             block += proposal.tokens.tolist()
         draft_s = time.perf_counter() - t_draft
@@ -167,16 +173,13 @@ def decode_steps(
         n_accepted, bonus = _verify(target.output_logits(), proposal, params, rng)
         verify_s = time.perf_counter() - t_verify
 
-        # roll back the rejected drafts in the target; inject the committed block rows into the drafter
+        # roll back the rejected drafts in the target; keep the committed block rows' features for the drafter
         committed = block[: n_accepted + 1]
         if n_accepted < n_draft:
             target.remove(0, n_past + n_accepted + 1)
         cache.tokens.extend(committed)
-        t_inject = time.perf_counter()
         if speculative:
-            drafter.inject(target.features(len(committed)), n_past)
-            cache.drafter_n = n_past + len(committed)
-        draft_s += time.perf_counter() - t_inject
+            pending.append(target.features(len(committed)))
         n_past += len(committed)
         if controller is not None and speculative:
             controller.observe(n_draft, n_accepted)
@@ -188,7 +191,18 @@ def decode_steps(
         step, done = _commit(new, text, target, config, n_generated)
         n_generated += len(new)
         last = bonus
+        if done and speculative:
+            _flush(drafter, pending, cache)  # so that a follow-up turn reuses the whole prefix in both caches
         yield Step(step.tokens, step.text, n_draft, n_accepted, bonus, len(block), reason, draft_s, verify_s, done)
+
+
+def _flush(drafter: Drafter, pending: list[np.ndarray], cache: CacheState) -> None:
+    """Inject the backlog of committed rows' features at the positions after the drafter's last."""
+    if pending:
+        features = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        drafter.inject(features, cache.drafter_n)
+        cache.drafter_n += len(features)
+        pending.clear()
 
 
 def _reusable_prefix(cache: CacheState, prompt: Sequence[int], speculative: bool) -> int:

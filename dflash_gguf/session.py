@@ -119,6 +119,7 @@ class Session:
         self._cache = CacheState()
         self._costs: CostModel | None = None
         self._warned_plain = False
+        self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
         if drafter is None:
             return
         if target.recurrent:
@@ -152,19 +153,30 @@ class Session:
     def generate(self, prompt: str, **gen: Any) -> Result:
         """Complete a raw prompt; same keyword arguments as stream()."""
         config = _config(**_gen_args(gen))
-        tokens = self._tokenize(prompt, add_special=True)
-        return self._collect(self._steps(tokens, config), len(tokens), config)
+        return self._collect(self._steps(self._tokenize(prompt, add_special=True), config))
 
     def chat(self, messages: Sequence[Message], **gen: Any) -> Result:
         """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix."""
+        return self._collect(self.stream_chat(messages, **gen))
+
+    def stream_chat(self, messages: Sequence[Message], **gen: Any) -> Iterator[Step]:
+        """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
         prompt, stops = self._render(messages)
-        user_stop = gen.get("stop")
+        args = _gen_args(gen)
+        user_stop = args.pop("stop", None)
         user_stops = [user_stop] if isinstance(user_stop, str) else list(user_stop or [])
-        config = _config(stop=user_stops + stops, **{k: v for k, v in _gen_args(gen).items() if k != "stop"})
-        tokens = self._tokenize(prompt, add_special=False)
-        return self._collect(self._steps(tokens, config), len(tokens), config)
+        config = _config(stop=user_stops + stops, **args)
+        return self._steps(self._tokenize(prompt, add_special=False), config)
+
+    def reset(self) -> None:
+        """Forget both KV caches, so that the next generation prefills its whole prompt (benchmarks want that)."""
+        self._cache = CacheState()
+        self.target.remove(0, 0)
+        if self.drafter is not None:
+            self.drafter.remove(0)
 
     def _steps(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
+        """decode_steps with this Session's caches; `last_stats` describes the generation once it ends."""
         if self._llama is not None:
             if self._llama.n_tokens:
                 self._cache = CacheState()  # the wrapped Llama decoded in between: our cached prefix is gone
@@ -174,14 +186,19 @@ class Session:
             warnings.warn("this Session has no drafter: decoding plainly", stacklevel=3)
             self._warned_plain = True
         controller = self._controller() if speculative and config.block_size is None else None
+        steps: list[Step] = []
+        t0 = time.perf_counter()
         try:
-            yield from decode_steps(self.target, self.drafter, tokens, config, self._cache, controller)
+            for step in decode_steps(self.target, self.drafter, tokens, config, self._cache, controller):
+                steps.append(step)
+                yield step
         except GeneratorExit:
             raise  # the caller stopped reading: the cache is consistent at every yield
         except BaseException:
             self._cache = CacheState()  # a failure mid-cycle leaves the KV caches in an unknown state
             self.target.remove(0, 0)
             raise
+        self.last_stats = self._stats(steps, time.perf_counter() - t0, len(tokens), config)
 
     def _controller(self) -> BlockController:
         """A fresh acceptance profile per generation; the measured costs carry over between generations."""
@@ -189,15 +206,13 @@ class Session:
             self._costs = calibrate(self.target, self.drafter)
         return BlockController(self.drafter.block_size - 1, self._costs)
 
-    def _collect(self, steps: Iterator[Step], n_prompt: int, config: GenerationConfig) -> Result:
-        t0 = time.perf_counter()
+    def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)
-        wall = time.perf_counter() - t0
         return Result(
             text="".join(s.text for s in all_steps),
             tokens=[t for s in all_steps for t in s.tokens],
             finish_reason=all_steps[-1].finish_reason or "stop",
-            stats=self._stats(all_steps, wall, n_prompt, config),
+            stats=self.last_stats,
         )
 
     def _stats(self, steps: list[Step], wall: float, n_prompt: int, config: GenerationConfig) -> GenerationStats:
@@ -317,7 +332,7 @@ class Session:
     def _completion(self, tokens: list[int], config: GenerationConfig) -> dict[str, Any]:
         """A whole completion in llama_cpp's text_completion shape, with usage."""
         header = self._completion_header()
-        result = self._collect(self._steps(tokens, config), len(tokens), config)
+        result = self._collect(self._steps(tokens, config))
         n = len(result.tokens)
         return {
             **header,

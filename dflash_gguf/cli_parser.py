@@ -1,0 +1,15 @@
+"""The argument parser every dflash-* command uses: a usage error is one line, like every other bad input."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+EXIT_BAD_INPUT = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage block on errors: `prog: error: message (see --help)`, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
