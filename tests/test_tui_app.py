@@ -189,6 +189,9 @@ def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
         await send_and_wait(pilot, SHORT_PROMPT)
         assert len(replies(app)) == 2
         assert [m["role"] for m in app.history] == ["user", "assistant", "user", "assistant"]
+        # a cancelled reply leaves the Session's cache usable: the next turn reuses the first prompt
+        _, cached = cache_use(replies(app)[-1])
+        assert cached > len(LONG_PROMPT.split())
 
 
     run_app(app, scenario)

@@ -9,21 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
+from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
 from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
 
 PROG = "dflash-chat"
 # below this the chat template and a short prompt no longer fit
 MIN_N_CTX = 64
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _int_at_least(minimum: int):
@@ -95,7 +89,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
 
 def _fail(message: str) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
+    return EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
