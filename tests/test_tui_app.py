@@ -18,6 +18,7 @@ from textual.command import CommandList, CommandPalette
 from textual.pilot import Pilot
 from textual.widgets import Collapsible, Markdown, Sparkline, Static
 
+from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import MEASURING, ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
@@ -156,8 +157,13 @@ def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> 
         kinds = {provenance for _, provenance in chunk.pieces}
         assert Provenance.BONUS in kinds
 
+        # the key in the stats panel draws all three kinds, each in its own colour
+        legend = app.query_one("#legend", TokenChunk)
+        assert len({s.color for s in rendered_styles(legend)}) == 3
+
         await pilot.press("ctrl+t")
         assert len({s.color for s in rendered_styles(chunk)}) == 1, "colouring off: every token in one colour"
+        assert len({s.color for s in rendered_styles(legend)}) == 1
         # a finished reply's token view exists only to show provenance: hidden with the colours
         assert reply.query_one(Collapsible).styles.display == "none"
         await pilot.press("ctrl+t")
@@ -365,6 +371,24 @@ def test_stats_panel_toggles(session) -> None:
         assert panel.display
 
     run_app(app, scenario)
+
+
+def test_the_embedded_defaults_draft_in_the_chat() -> None:
+    """What `dflash-chat` with no arguments opens: the embedded target and its embedded drafter."""
+    try:
+        drafter = embedded_drafter()
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    with Session(n_ctx=512, n_threads=2) as embedded:
+        assert embedded.drafter is not None and embedded.drafter.path == drafter
+        app = ChatApp(embedded, options(max_tokens=16, block_size=8))
+
+        async def scenario(pilot: Pilot) -> None:
+            await send_and_wait(pilot, LONG_PROMPT)
+            assert shown_markdown(replies(app)[-1]).strip()
+            assert number(figures(app)["drafted"]) >= 7
+
+        run_app(app, scenario)
 
 
 async def _steady(pilot: Pilot) -> None:
