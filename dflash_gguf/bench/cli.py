@@ -12,9 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from dflash_gguf.tui.cli import OneLineParser
-
-EXIT_BAD_INPUT = 2
+from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
 
 
 def _positive(text: str) -> int:

@@ -60,24 +60,18 @@ def _peak_rss_mib() -> float:
 
 
 def chat_steps(session, messages: list[dict], *, max_tokens: int, speculative: bool, block_size: int | None = None):
-    """Session.chat's Steps, from a clean cache so every run prefills the whole prompt.
-
-    Session has no public chat-streaming method or cache reset yet (Session.stream_chat is requested from
-    the runtime; the chat UI bridges it the same way): this renders, forgets the cache and streams.
-    """
-    from dflash_gguf import session as session_module
-    from dflash_gguf.decoding import CacheState
-
-    prompt, stops = session._render(messages)
-    session._cache = CacheState()
-    gen = session_module._config(
-        max_tokens=max_tokens, temperature=0.0, stop=stops, speculative=speculative, block_size=block_size
+    """Session.stream_chat, greedy, from a clean cache so every run prefills the whole prompt."""
+    session.reset()
+    return session.stream_chat(
+        messages, max_tokens=max_tokens, temperature=0.0, speculative=speculative, block_size=block_size
     )
-    return session._steps(session._tokenize(prompt, add_special=False), gen)
 
 
 def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
-    """The rendered chat prompt and its tokens, for the peers (same template, same tokens)."""
+    """The rendered chat prompt and its tokens, for the peers (same template, same tokens).
+
+    Session renders and tokenizes chat prompts only internally; the peers need exactly that text.
+    """
     prompt, _ = session._render(messages)
     return prompt, session._tokenize(prompt, add_special=False)
 
