@@ -147,6 +147,12 @@ def _prepare(name: str, data: np.ndarray, cfg: DraftConfig) -> np.ndarray:
     return data
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_output(out: Path, *, force: bool) -> Iterator[Path]:
     """A temp file beside `out`, renamed over it only when the body succeeds; removed otherwise."""
@@ -164,6 +170,7 @@ def atomic_output(out: Path, *, force: bool) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        tmp.chmod(0o666 & ~_umask())  # mkstemp makes it private; the output gets the usual permissions
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -291,6 +293,17 @@ def test_existing_output_is_replaced_only_on_success(tmp_path):
     with atomic_output(out, force=True) as tmp:
         tmp.write_bytes(b"new")
     assert out.read_bytes() == b"new" and list(tmp_path.iterdir()) == [out]
+
+
+def test_output_gets_the_usual_permissions_not_the_temp_files(tmp_path):
+    out = tmp_path / "x.gguf"
+    old = os.umask(0o022)
+    try:
+        with atomic_output(out, force=False) as tmp:
+            tmp.write_bytes(b"data")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644  # readable by others once installed, as any package file
 
 
 def test_real_entry_point_exit_code_and_one_line(ckpt, out):
