@@ -143,7 +143,7 @@ class BlockController:
         prior_strength: float = 2.0,
         pool_strength: float = 4.0,
         memory: float = 0.9,
-        probe_after: int = 16,
+        probe_after: int = 32,
         max_probe_after: int = 256,
     ) -> None:
         if not isinstance(max_draft, int) or max_draft < 1:
