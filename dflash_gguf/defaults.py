@@ -24,3 +24,17 @@ def embedded_target() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{TARGET_DISTRIBUTION} is installed but {path} is missing")
     return path
+
+
+DRAFTER_FILE = "models/SmolLM2-135M-Instruct-DFlash.gguf"
+
+
+def embedded_drafter() -> Path:
+    """The DFlash drafter trained for the embedded target with dflash-train, shipped in this package.
+
+    How it was made and what it reaches: docs/TRAINING.md and models/SmolLM2-135M-Instruct-DFlash.md.
+    """
+    path = Path(__file__).parent / DRAFTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the embedded drafter is missing from this installation: {path}")
+    return path
