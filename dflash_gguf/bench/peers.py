@@ -208,11 +208,12 @@ def reference_tau(
     if not (reference_drafter / "config.json").is_file():
         return PeerResult(name, False, f"{reference_drafter}: no config.json (not a z-lab checkpoint directory)")
     try:
+        import accelerate  # noqa: F401  (transformers needs it to load a GGUF)
         import torch
         import transformers
         from dflash import model as zlab
     except ImportError as e:
-        return PeerResult(name, False, f"needs torch, transformers and the dflash package ({e.name} is missing)")
+        return PeerResult(name, False, f"needs torch, transformers, accelerate and the dflash package ({e.name} is missing)")
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(
         str(target.parent), gguf_file=target.name, dtype=torch.float32
     ).eval()
