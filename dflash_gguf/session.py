@@ -14,7 +14,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import defaults
-from .controller import BlockController, CostModel, calibrate
+from .controller import BlockController, calibrate
 from .decoding import CacheState, GenerationConfig, Step, decode_steps
 from .drafter import Drafter
 from .sampling import SamplingParams
@@ -117,7 +117,7 @@ class Session:
         self.target = target
         self.drafter: Drafter | None = None
         self._cache = CacheState()
-        self._costs: CostModel | None = None
+        self._block_controller: BlockController | None = None
         self._warned_plain = False
         self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
         if drafter is None:
@@ -201,10 +201,11 @@ class Session:
         self.last_stats = self._stats(steps, time.perf_counter() - t0, len(tokens), config)
 
     def _controller(self) -> BlockController:
-        """A fresh acceptance profile per generation; the measured costs carry over between generations."""
-        if self._costs is None:
-            self._costs = calibrate(self.target, self.drafter)
-        return BlockController(self.drafter.block_size - 1, self._costs)
+        """One controller for the Session's life: the measured costs, the acceptance profile and its
+        probing back-off carry over between generations, so a weak drafter is not re-probed every turn."""
+        if self._block_controller is None:
+            self._block_controller = BlockController(self.drafter.block_size - 1, calibrate(self.target, self.drafter))
+        return self._block_controller
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)
