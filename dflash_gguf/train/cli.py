@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..cli_parser import OneLineParser
 from .config import TrainConfig
 from .errors import TrainError
 
@@ -40,7 +41,7 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig(target=Path(), prompts=Path(), out=Path())
-    p = argparse.ArgumentParser(prog="dflash-train", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="dflash-train", description=__doc__.splitlines()[0])
     p.add_argument("target", type=Path, help="target model GGUF")
     p.add_argument("prompts", type=Path, help='prompts JSONL: {"prompt", "category", "id"?} per line')
     p.add_argument("--out", type=Path, required=True, help="run directory (caches, checkpoints, metrics, GGUF)")
