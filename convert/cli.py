@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=Path, metavar="TARGET.gguf",
                    help="the target model GGUF: its tokenizer is copied in and the pair is validated")
     p.add_argument("--outtype", choices=list(OUTTYPES), help="tensor type of the matrices (default: keep the checkpoint's)")
+    p.add_argument("--name", help="general.name of the drafter GGUF (default: OUT's file name without .gguf)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     p.add_argument("--info", type=Path, metavar="FILE.gguf", help="print what a drafter GGUF holds, and exit")
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.info is not None:
-        if args.src is not None or args.target is not None or args.outtype is not None:
+        if args.src is not None or args.target is not None or args.outtype is not None or args.name is not None:
             parser.error("--info takes only the GGUF to inspect")
         try:
             print(format_info(drafter_info(args.info)))
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("SRC and OUT are required (or --info FILE.gguf)")
     try:
         out = convert_checkpoint(
-            args.src, args.out, target=args.target, outtype=args.outtype,
+            args.src, args.out, target=args.target, outtype=args.outtype, name=args.name,
             force=args.force, progress=not args.no_progress and sys.stderr.isatty(),
         )
     except ConversionError as e:

@@ -44,11 +44,12 @@ def convert_checkpoint(
     outtype: str | None = None,
     force: bool = False,
     progress: bool = True,
+    name: str | None = None,
 ) -> Path:
     """Convert a DFlash/DFlash2 safetensors checkpoint (file, shard index or directory) to a drafter GGUF.
 
     With `target`, the target GGUF's tokenizer and fingerprint are copied in and the pair is
-    validated first. Raises ConversionError (one line, naming the file) on any bad input; no
+    validated first. `name` is the GGUF's `general.name` (default: OUT's stem). Raises ConversionError (one line, naming the file) on any bad input; no
     output is left behind then.
     """
     if outtype is not None and outtype not in OUTTYPES:
@@ -61,4 +62,6 @@ def convert_checkpoint(
         except ValueError as e:
             raise ConversionError(str(e)) from None
         check_pair(ckpt, target_info)
-    return write_drafter_gguf(ckpt, Path(out), target=target_info, outtype=outtype, force=force, progress=progress)
+    return write_drafter_gguf(
+        ckpt, Path(out), target=target_info, outtype=outtype, force=force, progress=progress, name=name
+    )

@@ -66,11 +66,13 @@ def _file_type(types: list[Q], outtype: str | None) -> gguf.LlamaFileType:
     return _FILE_TYPES[max(set(matrices), key=matrices.count)]
 
 
-def _add_metadata(writer: gguf.GGUFWriter, ckpt: Checkpoint, target: TargetInfo | None, file_type: gguf.LlamaFileType) -> None:
+def _add_metadata(
+    writer: gguf.GGUFWriter, ckpt: Checkpoint, target: TargetInfo | None, file_type: gguf.LlamaFileType, name: str
+) -> None:
     cfg: DraftConfig = ckpt.config
     hp = cfg.hparams
     w = writer
-    w.add_string(Keys.NAME, ckpt.config_path.parent.name or cfg.architecture)
+    w.add_string(Keys.NAME, name)
     w.add_uint32(Keys.BLOCK_COUNT, cfg.num_layers)
     if (n_ctx := hp.get("max_position_embeddings")) is not None:
         w.add_uint32(Keys.CONTEXT_LENGTH, int(n_ctx))
@@ -177,15 +179,25 @@ def atomic_output(out: Path, *, force: bool) -> Iterator[Path]:
 
 
 def write_drafter_gguf(
-    ckpt: Checkpoint, out: Path, *, target: TargetInfo | None, outtype: str | None, force: bool, progress: bool
+    ckpt: Checkpoint,
+    out: Path,
+    *,
+    target: TargetInfo | None,
+    outtype: str | None,
+    force: bool,
+    progress: bool,
+    name: str | None = None,
 ) -> Path:
-    """Stream `ckpt` into `out` (atomically): metadata and tensor infos first, then each tensor's data."""
+    """Stream `ckpt` into `out` (atomically): metadata and tensor infos first, then each tensor's data.
+
+    `general.name` is `name`, else the output file's stem: checkpoint folders are often just "best".
+    """
     cfg = ckpt.config
     plan = [(name, t, tensor_type(name, t.shape, t.dtype, outtype)) for name, t in ckpt.tensors.items()]
     with atomic_output(out, force=force) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
         try:
-            _add_metadata(writer, ckpt, target, _file_type([q for _, _, q in plan], outtype))
+            _add_metadata(writer, ckpt, target, _file_type([q for _, _, q in plan], outtype), name or out.stem)
             for name, t, qtype in plan:
                 writer.add_tensor_info(name, t.shape, np.dtype(np.float32), tensor_nbytes(t.shape, qtype), raw_dtype=qtype)
             writer.write_header_to_file(tmp)

@@ -147,13 +147,13 @@ class Session:
     ) -> Iterator[Step]:
         """One Step per decode cycle for a raw prompt (no chat template); the last Step has finish_reason."""
         config = _config(max_tokens, temperature, top_p, top_k, seed, stop, speculative, block_size)
-        tokens = self._tokenize(prompt, add_special=True)
+        tokens = self.tokenize(prompt, add_special=True)
         return self._steps(tokens, config)
 
     def generate(self, prompt: str, **gen: Any) -> Result:
         """Complete a raw prompt; same keyword arguments as stream()."""
         config = _config(**_gen_args(gen))
-        return self._collect(self._steps(self._tokenize(prompt, add_special=True), config))
+        return self._collect(self._steps(self.tokenize(prompt, add_special=True), config))
 
     def chat(self, messages: Sequence[Message], **gen: Any) -> Result:
         """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix."""
@@ -161,12 +161,12 @@ class Session:
 
     def stream_chat(self, messages: Sequence[Message], **gen: Any) -> Iterator[Step]:
         """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
-        prompt, stops = self._render(messages)
+        prompt, stops = self.render_chat(messages)
         args = _gen_args(gen)
         user_stop = args.pop("stop", None)
         user_stops = [user_stop] if isinstance(user_stop, str) else list(user_stop or [])
         config = _config(stop=user_stops + stops, **args)
-        return self._steps(self._tokenize(prompt, add_special=False), config)
+        return self._steps(self.tokenize(prompt, add_special=False), config)
 
     def reset(self) -> None:
         """Forget both KV caches, so that the next generation prefills its whole prompt (benchmarks want that)."""
@@ -245,7 +245,8 @@ class Session:
         )
 
     # -- text ------------------------------------------------------------------------------
-    def _tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """The target's tokens for `text` (special tokens parsed), checked to fit the context."""
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
         tokens = self.target.tokenize(text, add_special=add_special, parse_special=True)
@@ -258,7 +259,7 @@ class Session:
             )
         return tokens
 
-    def _render(self, messages: Sequence[Message]) -> tuple[str, list[str]]:
+    def render_chat(self, messages: Sequence[Message]) -> tuple[str, list[str]]:
         """The prompt text from the GGUF's chat template, and the template's stop strings."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -290,7 +291,7 @@ class Session:
         block_size: int | None = None,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt."""
-        tokens = self._tokenize(prompt, add_special=True)
+        tokens = self.tokenize(prompt, add_special=True)
         config = _config(
             self._max_tokens(max_tokens, len(tokens)), temperature, top_p, top_k, seed, stop, speculative, block_size
         )
@@ -311,8 +312,8 @@ class Session:
         block_size: int | None = None,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF."""
-        prompt, stops = self._render(messages)
-        tokens = self._tokenize(prompt, add_special=False)
+        prompt, stops = self.render_chat(messages)
+        tokens = self.tokenize(prompt, add_special=False)
         user_stops = [stop] if isinstance(stop, str) else list(stop or [])
         config = _config(
             self._max_tokens(max_tokens, len(tokens)),

@@ -95,3 +95,9 @@ def test_progress_bar_reports_the_whole_conversion(capsys, reference_checkpoint,
 def test_no_progress_is_silent(capsys, reference_checkpoint, tmp_path):
     convert_checkpoint(reference_checkpoint, tmp_path / "quiet.gguf", progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_general_name_is_the_output_stem_unless_given(reference_checkpoint, dflash_gguf_path, tmp_path):
+    assert field_value(reader(dflash_gguf_path), Keys.NAME) == dflash_gguf_path.stem
+    named = convert_checkpoint(reference_checkpoint, tmp_path / "x.gguf", name="Tiny-DFlash", progress=False)
+    assert field_value(reader(named), Keys.NAME) == "Tiny-DFlash"

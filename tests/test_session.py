@@ -133,6 +133,14 @@ def test_chat_uses_the_gguf_template_and_reuses_the_prefix(session, llama):
     assert a2.text == expected["choices"][0]["message"]["content"]
 
 
+def test_render_chat_and_tokenize_match_llama_cpp(session, llama):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    text, stops = session.render_chat(messages)
+    assert text.rstrip().endswith("<|im_start|>assistant") and "Name a fruit." in text
+    assert stops == ["<|im_end|>"]
+    assert session.tokenize(text, add_special=False) == llama.tokenize(text.encode(), add_bos=False, special=True)
+
+
 def _shape(value):
     """The key structure and value types of a llama_cpp response, ignoring the values themselves."""
     if isinstance(value, dict):

@@ -68,12 +68,9 @@ def chat_steps(session, messages: list[dict], *, max_tokens: int, speculative: b
 
 
 def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
-    """The rendered chat prompt and its tokens, for the peers (same template, same tokens).
-
-    Session renders and tokenizes chat prompts only internally; the peers need exactly that text.
-    """
-    prompt, _ = session._render(messages)
-    return prompt, session._tokenize(prompt, add_special=False)
+    """The rendered chat prompt and its tokens, for the peers (same template, same tokens)."""
+    prompt, _ = session.render_chat(messages)
+    return prompt, session.tokenize(prompt, add_special=False)
 
 
 def timed_generation(session, messages: list[dict], mode: str, repeat: int, config: BenchConfig) -> Generation:

@@ -18,7 +18,10 @@ def export(cfg: TrainConfig) -> Path:
     src = ckpt / "best" if (ckpt / "best").is_dir() else ckpt / "last"
     if not src.is_dir():
         raise TrainError(f"no checkpoint in {ckpt}: run the train stage first")
+    name = f"{Path(cfg.target).name.removesuffix('.gguf')}-DFlash"  # the GGUF names what it drafts for
     try:
-        return convert_checkpoint(src, cfg.gguf_path, target=cfg.target, outtype=cfg.outtype, force=True, progress=False)
+        return convert_checkpoint(
+            src, cfg.gguf_path, target=cfg.target, outtype=cfg.outtype, force=True, progress=False, name=name
+        )
     except ConversionError as e:
         raise TrainError(str(e)) from None
