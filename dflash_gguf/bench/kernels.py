@@ -144,7 +144,7 @@ def measure(
             )
             for name, path in variants.items()
         }
-        context = _context_tokens(next(iter(targets.values())))
+        context = context_tokens(next(iter(targets.values())))
         for target in targets.values():
             target.decode(context, 0, logits=False)
         names = list(targets)
@@ -152,7 +152,7 @@ def measure(
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 for n in sizes:
-                    seconds, cpu = _time_batch(targets[name], context, n)
+                    seconds, cpu = time_batch(targets[name], context, n)
                     if rep:
                         results[name].seconds[n].append(seconds)
                         results[name].cpu_seconds[n].append(cpu)
@@ -179,7 +179,7 @@ def measure(
 
 def _step_alone_cpu_ms(target: Target, context: list[int], n: int = 20) -> float:
     """Median CPU ms of n consecutive 1-token decodes of one model, nothing else in between."""
-    samples = [_time_batch(target, context, 1)[1] for _ in range(n)]
+    samples = [time_batch(target, context, 1)[1] for _ in range(n)]
     return 1e3 * statistics.median(samples)
 
 
@@ -210,7 +210,7 @@ def _drafter_costs(
     out: dict[str, list[float]] = {}
     with Target.open(target_path, n_ctx=1024, n_batch=64, n_threads=n_threads, flash_attn=flash_attn) as target:
         with Drafter(drafter_path, target) as drafter:
-            context = _context_tokens(target)
+            context = context_tokens(target)
             target.decode(context, 0, logits=False)
             drafter.inject(target.features(len(context)), 0)
             pos = len(context)
@@ -272,12 +272,12 @@ def _agreement_texts() -> list[str]:
     return [p.prompt for p in load_suite()]
 
 
-def _context_tokens(target: Target) -> list[int]:
+def context_tokens(target: Target) -> list[int]:
     tokens = [t for text in _agreement_texts() for t in target.tokenize(text)]
     return tokens[:CONTEXT_TOKENS]
 
 
-def _time_batch(target: Target, context: list[int], n: int) -> tuple[float, float]:
+def time_batch(target: Target, context: list[int], n: int) -> tuple[float, float]:
     """(wall, process CPU) seconds of one decode of n tokens after the context, then rolled back."""
     tokens = [context[i % len(context)] for i in range(n)]
     start, start_cpu = time.perf_counter(), time.process_time()
