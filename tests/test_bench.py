@@ -116,7 +116,7 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
         [
             "--categories", "math", "code", "--limit", "1", "--max-tokens", "6", "--repeats", "1",
             "--threads", "2", "--drafter", str(dflash_gguf_path), "--out", str(out), "--name", "tiny",
-            "--peers", "lookup", "reference",
+            "--peers", "llama-cpp", "lookup", "reference",
         ],
         capsys,
     )
@@ -142,6 +142,9 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     assert data["machine"]["llama_cpp_python"] == "0.3.36"
     assert data["memory"]["peak_rss_final_mib"] > 50 and "ru_maxrss" in data["memory"]["memory_note"]
     peers = {p["name"]: p for p in data["peers"]}
+    llama = peers["llama-cpp-python Llama (plain)"]
+    assert llama["available"] and llama["overall"]["decode_tokens_per_s"] > 0
+    assert llama["identical_to_plain"] == 2  # llama-cpp-python's own greedy loop: the bench's plain mode, token for token
     lookup = peers["llama-cpp-python LlamaPromptLookupDecoding"]
     assert lookup["available"] and lookup["overall"]["decode_tokens_per_s"] > 0
     assert lookup["identical_to_plain"] in (0, 1, 2)

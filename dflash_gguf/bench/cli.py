@@ -14,6 +14,8 @@ from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
 
+from .peers import PEERS
+
 
 def _positive(text: str) -> int:
     try:
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive, help="fixed block size (default: adaptive)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
-    p.add_argument("--peers", nargs="*", default=[], choices=["lookup", "reference", "llama-server"],
+    p.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
                    help="peers to run on the same prompts")
     p.add_argument("--llama-server", type=Path, help="upstream llama-server binary (run with --spec-type draft-dflash)")
     p.add_argument("--reference-drafter", type=Path,

@@ -1,5 +1,5 @@
-"""Other speculative decoders on the same prompts: llama-cpp-python's prompt lookup, upstream llama-server's
-DFlash, and the z-lab reference implementation for τ. Each is run only where it is available; otherwise the
+"""Other decoders on the same prompts: llama-cpp-python's own loop (plain, and with prompt lookup), upstream
+llama-server's DFlash, and the z-lab reference implementation for τ. Each is run only where it is available; otherwise the
 report says why not.
 """
 
@@ -17,6 +17,9 @@ from typing import Callable, Sequence
 
 from .results import Generation, PeerResult
 
+# llama-cpp: llama_cpp.Llama plain; lookup: the same with LlamaPromptLookupDecoding; reference: z-lab τ;
+# llama-server: upstream DFlash
+PEERS = ("llama-cpp", "lookup", "reference", "llama-server")
 SERVER_START_TIMEOUT_S = 120.0
 SERVER_REQUEST_TIMEOUT_S = 300.0
 
@@ -30,7 +33,7 @@ class PeerPrompt:
     tokens: list[int]
 
 
-def prompt_lookup(
+def llama_cpp_python(
     target: Path,
     prompts: Sequence[PeerPrompt],
     *,
@@ -38,33 +41,41 @@ def prompt_lookup(
     repeats: int,
     n_threads: int,
     n_ctx: int,
-    num_pred_tokens: int = 10,
+    num_pred_tokens: int | None = None,
 ) -> PeerResult:
-    """llama_cpp.Llama with LlamaPromptLookupDecoding (n-gram drafts from the prompt), greedy, token by token."""
-    name = "llama-cpp-python LlamaPromptLookupDecoding"
+    """llama_cpp.Llama's own generate loop, greedy: plain, or with LlamaPromptLookupDecoding (n-gram drafts
+    from the prompt) when num_pred_tokens is given. Flash attention on, as the Session opens its target.
+
+    The plain run is the baseline a llama-cpp-python user has today, next to the bench's own plain mode.
+    """
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    lookup = num_pred_tokens is not None
+    name = "llama-cpp-python LlamaPromptLookupDecoding" if lookup else "llama-cpp-python Llama (plain)"
     llm = Llama(
         model_path=str(target),
         n_ctx=n_ctx,
         n_threads=n_threads,
         n_threads_batch=n_threads,
-        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens),
+        flash_attn=True,
+        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens) if lookup else None,
         verbose=False,
     )
     try:
         eos = llm.token_eos()
-        result = PeerResult(name, True, f"num_pred_tokens={num_pred_tokens}, greedy (top_k=1)")
+        mode = "lookup" if lookup else "llama-cpp"
+        detail = f"num_pred_tokens={num_pred_tokens}, greedy (top_k=1)" if lookup else "greedy (top_k=1)"
+        result = PeerResult(name, True, detail)
         for p in prompts:
-            _lookup_generation(llm, p, max_tokens, eos)  # warm-up
-            result.runs[p.id] = [_lookup_generation(llm, p, max_tokens, eos, repeat=r) for r in range(repeats)]
+            _llama_generation(llm, p, max_tokens, eos, mode)  # warm-up
+            result.runs[p.id] = [_llama_generation(llm, p, max_tokens, eos, mode, repeat=r) for r in range(repeats)]
         return result
     finally:
         llm.close()
 
 
-def _lookup_generation(llm, prompt: PeerPrompt, max_tokens: int, eos: int, repeat: int = -1) -> Generation:
+def _llama_generation(llm, prompt: PeerPrompt, max_tokens: int, eos: int, mode: str, repeat: int = -1) -> Generation:
     llm.reset()
     tokens: list[int] = []
     start = time.perf_counter()
@@ -78,7 +89,7 @@ def _lookup_generation(llm, prompt: PeerPrompt, max_tokens: int, eos: int, repea
         if len(tokens) >= max_tokens:
             break
     end = time.perf_counter()
-    return Generation("lookup", repeat, tokens, prefill_s=first - start, ttft_s=first - start, decode_s=end - first)
+    return Generation(mode, repeat, tokens, prefill_s=first - start, ttft_s=first - start, decode_s=end - first)
 
 
 def _free_port() -> int:

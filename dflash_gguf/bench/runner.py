@@ -47,9 +47,9 @@ class BenchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        unknown = set(self.peers) - {"lookup", "reference", "llama-server"}
+        unknown = set(self.peers) - set(peer_runs.PEERS)
         if unknown:
-            raise ValueError(f"unknown peers {sorted(unknown)}: choose from lookup, reference, llama-server")
+            raise ValueError(f"unknown peers {sorted(unknown)}: choose from {', '.join(peer_runs.PEERS)}")
         if "llama-server" in self.peers and self.llama_server is None:
             raise ValueError("the llama-server peer needs the path of an upstream llama-server binary")
 
@@ -197,11 +197,11 @@ def _run_peers(
     out = []
     for name in config.peers:
         progress(f"peer: {name}")
-        if name == "lookup":
+        if name in ("llama-cpp", "lookup"):
             out.append(
-                peer_runs.prompt_lookup(
+                peer_runs.llama_cpp_python(
                     target, prompts, max_tokens=config.max_tokens, repeats=config.repeats, n_threads=n_threads,
-                    n_ctx=config.n_ctx,
+                    n_ctx=config.n_ctx, num_pred_tokens=10 if name == "lookup" else None,
                 )
             )
         elif name == "reference":
