@@ -251,6 +251,9 @@ def test_compare_reruns_with_plain_decoding_and_shows_both_speeds(session) -> No
         assert len(app.history) == 2, "the compare run is not part of the conversation"
         # the figures are back to the speculative reply the plain run was compared with
         assert number(figures(app)["drafted"]) >= 3
+        # and its plain speed is now the live baseline: the live speedup reads what the compare measured
+        assert number(figures(app)["plain"]) == number(shown["plain"])
+        assert number(figures(app)["speedup"]) == number(shown["speedup"])
 
     run_app(app, scenario)
 

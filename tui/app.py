@@ -233,6 +233,11 @@ class ChatApp(App[None]):
         else:
             same = text == self.last_reply_text if self.options.generation.temperature == 0 else None
             self.stats_panel.show_compare(self.last_reply_speed, reply.stats.tokens_per_s, same)
+            if reply.stats.tokens_per_s is not None and not message.cancelled:
+                # a plain run streamed to the screen like a reply: a fairer baseline than the start-up runs,
+                # which had the cores to themselves while a reply shares them with rendering
+                self.plain_tokens_per_s = reply.stats.tokens_per_s
+                self.plain_note = "measured (compare)"
         self.reply = None
         self.busy = False
         # after a compare run the figures go back to the reply it was compared with
