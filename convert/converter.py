@@ -49,8 +49,8 @@ def convert_checkpoint(
     """Convert a DFlash/DFlash2 safetensors checkpoint (file, shard index or directory) to a drafter GGUF.
 
     With `target`, the target GGUF's tokenizer and fingerprint are copied in and the pair is
-    validated first. `name` is the GGUF's `general.name` (default: OUT's stem). Raises ConversionError (one line, naming the file) on any bad input; no
-    output is left behind then.
+    validated first. `name` is the GGUF's `general.name` (default: OUT's stem). Raises
+    ConversionError (one line, naming the file) on any bad input; no output is left behind then.
     """
     if outtype is not None and outtype not in OUTTYPES:
         raise ConversionError(f"{out}: unknown outtype {outtype!r} (expected one of {', '.join(OUTTYPES)})")

@@ -237,7 +237,7 @@ class ChatApp(App[None]):
                 # a plain run streamed to the screen like a reply: a fairer baseline than the start-up runs,
                 # which had the cores to themselves while a reply shares them with rendering
                 self.plain_tokens_per_s = reply.stats.tokens_per_s
-                self.plain_note = "measured (compare)"
+                self.plain_note = "measured"
         self.reply = None
         self.busy = False
         # after a compare run the figures go back to the reply it was compared with

@@ -1,6 +1,6 @@
 """Other decoders on the same prompts: llama-cpp-python's own loop (plain, and with prompt lookup), upstream
-llama-server's DFlash, and the z-lab reference implementation for τ. Each is run only where it is available; otherwise the
-report says why not.
+llama-server's DFlash, and the z-lab reference implementation for τ. Each is run only where it is
+available; otherwise the report says why not.
 """
 
 from __future__ import annotations
