@@ -10,17 +10,22 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
 
+from .steps import StepKind
+
 if TYPE_CHECKING:
     from .drafter import Drafter
+    from .memory import TargetMemory
     from .target import Target
 
-TimingKind = Literal["draft", "verify", "plain"]
+TimingKind = Literal["draft", "verify", "plain", "rollback"]
 
 # an outlier sample (another process took the core) moves an estimate by at most this factor per update
 _MAX_SAMPLE_RATIO = 2.0
+_MIN_ROLLBACK_S = 1e-7  # a cycle that rolled nothing back still enters the rollback table's mean
 
 
 class CostTable:
@@ -84,12 +89,22 @@ class CostModel:
     Plain decoding is a target batch of one token, so plain and verify timings feed the same table.
     """
 
-    def __init__(self, target: Mapping[int, float], draft: Mapping[int, float], *, smoothing: float = 0.2) -> None:
+    def __init__(
+        self,
+        target: Mapping[int, float],
+        draft: Mapping[int, float],
+        *,
+        rollback: Mapping[int, float] | None = None,
+        smoothing: float = 0.2,
+    ) -> None:
         self.target = CostTable(target, smoothing=smoothing)
         self.draft = CostTable(draft, smoothing=smoothing)
+        # mean seconds a verify of n tokens spends rolling the target back (0 on a full accept);
+        # None where rollback is a KV truncation, whose cost is noise next to a decode
+        self.rollback = CostTable(rollback, smoothing=smoothing) if rollback else None
 
     def verify_s(self, n_tokens: int) -> float:
-        return self.target.seconds(n_tokens)
+        return self.target.seconds(n_tokens) + (self.rollback.seconds(n_tokens) if self.rollback else 0.0)
 
     def draft_s(self, block_tokens: int) -> float:
         return self.draft.seconds(block_tokens)
@@ -103,8 +118,11 @@ class CostModel:
             self.draft.update(n_tokens, seconds)
         elif kind in ("verify", "plain"):
             self.target.update(n_tokens, seconds)
+        elif kind == "rollback":
+            if self.rollback is not None:
+                self.rollback.update(n_tokens, max(seconds, _MIN_ROLLBACK_S))
         else:
-            raise ValueError(f"timing kind must be 'draft', 'verify' or 'plain', got {kind!r}")
+            raise ValueError(f"timing kind must be 'draft', 'verify', 'plain' or 'rollback', got {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,7 @@ class BlockChoice:
     n_draft: int
     reason: str
     expected_tokens_per_s: float
+    probe: bool = False  # a draft tried while the controller keeps to plain decoding
 
     @property
     def block_size(self) -> int:
@@ -224,12 +243,12 @@ class BlockController:
             self._next_probe = 0
             self._probing = True
             reason = f"probe draft {n} (the last probe passed): {self._describe(n, expected)}"
-            return BlockChoice(n, reason, self._rate(n, expected))
+            return BlockChoice(n, reason, self._rate(n, expected), probe=True)
         if self._plain_streak >= self._probe_after:  # the cheapest draft tells whether drafts pass again
             self._plain_streak = 0
             self._probing = True
             reason = f"probe draft 1 after {self._probe_after} plain cycles: {self._describe(1, expected)}"
-            return BlockChoice(1, reason, self._rate(1, expected))
+            return BlockChoice(1, reason, self._rate(1, expected), probe=True)
         self._plain_streak += 1
         why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
         reason = f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
@@ -281,40 +300,137 @@ class BlockController:
         return f"E={expected[n_draft]:.1f} tok for {seconds * 1e3:.1f} ms = {expected[n_draft] / seconds:.0f} tok/s"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What the next cycle does: verify n_draft tokens from `source` (None and 0: a plain step)."""
+
+    source: str | None
+    n_draft: int
+    kind: StepKind
+    reason: str
+
+
+PLAIN_CHOICE_REASON = "plain decoding"
+
+
+class Policy(ABC):
+    """Chooses each cycle's (source, length) from what the sources offer, and learns from the outcome."""
+
+    @abstractmethod
+    def choose(self, offers: Mapping[str, int]) -> Choice:
+        """offers: source name -> how many tokens it can propose now (sources with 0 are left out)."""
+
+    def observe(self, choice: Choice, n_accepted: int, timing: "CycleTiming") -> None:
+        """What the chosen cycle accepted and cost."""
+
+
+@dataclass(frozen=True)
+class CycleTiming:
+    block_tokens: int  # tokens the target decoded (last committed + drafts)
+    draft_s: float
+    verify_s: float
+    rollback_s: float
+
+
+class PlainPolicy(Policy):
+    """Never drafts: speculation off, or no source can run on this target."""
+
+    def __init__(self, reason: str = PLAIN_CHOICE_REASON) -> None:
+        self._choice = Choice(None, 0, StepKind.PLAIN, reason)
+
+    def choose(self, offers: Mapping[str, int]) -> Choice:
+        return self._choice
+
+
+class FixedPolicy(Policy):
+    """A fixed block: the first source that offers anything drafts up to block_size - 1 tokens."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def choose(self, offers: Mapping[str, int]) -> Choice:
+        for source, n in offers.items():
+            n = min(n, self.block_size - 1)
+            if n > 0:
+                return Choice(source, n, StepKind.DRAFT, f"fixed block {self.block_size}")
+        return Choice(None, 0, StepKind.PLAIN, f"fixed block {self.block_size}: no draft offered")
+
+
+class AdaptivePolicy(Policy):
+    """One source under a BlockController: the block size that maximises expected tokens per second."""
+
+    def __init__(self, source: str, controller: BlockController) -> None:
+        self.source = source
+        self.controller = controller
+
+    def choose(self, offers: Mapping[str, int]) -> Choice:
+        offered = offers.get(self.source, 0)
+        block = self.controller.choose()
+        n = min(block.n_draft, offered)
+        if n == 0:
+            return Choice(None, 0, StepKind.PLAIN, block.reason)
+        return Choice(self.source, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
+
+    def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
+        c = self.controller
+        c.observe(choice.n_draft, n_accepted)
+        c.observe_timing("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
+        if choice.n_draft:
+            c.observe_timing("draft", timing.block_tokens, timing.draft_s)
+            c.observe_timing("rollback", timing.block_tokens, timing.rollback_s)
+
+
 CALIBRATION_SIZES = (1, 2, 4, 8, 16)
 MIN_SWEEPS = 2  # the fastest of two: one stalled sample (another process took the core) does not decide
 
 
-def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smoothing: float = 0.2) -> CostModel:
+def calibrate(
+    target: Target,
+    drafter: Drafter,
+    *,
+    memory: TargetMemory | None = None,
+    max_block: int | None = None,
+    budget_s: float = 0.4,
+    smoothing: float = 0.2,
+) -> CostModel:
     """Measure target batches and draft passes on this machine at start-up, in about `budget_s` seconds.
 
-    Target batches of 1..block_size tokens (every row outputs logits, as verification needs) and draft
-    passes of the smallest and the full block (plus a one-row feature injection, as every cycle has) run
-    beyond the cached positions, which are left as they were. After a warm-up, sweeps repeat while the
-    budget lasts (at least two) and the fastest time per size is kept: the one least disturbed by other
-    work; a size never costs more than a larger one did.
+    Target batches of 1..block tokens (every row outputs logits, as verification needs) and draft passes
+    of the smallest and the full block (plus a one-row feature injection, as every cycle has) run beyond
+    the cached positions, and `memory` rolls each back as a rejected verify would be, so positions cached
+    stay as they were. After a warm-up, sweeps repeat while the budget lasts (at least two) and the
+    fastest time per size is kept: the one least disturbed by other work; a size never costs more than
+    a larger one did. Where rolling back is more than a KV truncation, its cost is measured too.
     """
+    from .memory import KVTruncation
+
     if budget_s <= 0.0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
-    block = drafter.block_size
+    memory = memory or KVTruncation(target)
+    block = min(drafter.block_size, max_block or drafter.block_size)
     p0 = target.pos_max(0) + 1
-    if p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
-        raise ValueError(f"no room to calibrate: {p0} positions cached, context {target.n_ctx_seq}")
+    if block < 2 or p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
+        raise ValueError(f"no room to calibrate a block of {block}: {p0} positions cached, context {target.n_ctx_seq}")
     token = max(0, target.bos_token())
     sizes = sorted({n for n in CALIBRATION_SIZES if n <= block} | {block})
     draft_sizes = sorted({2, block})
+    rollback: dict[int, float] = {}
 
     def time_verify(n: int) -> float:
         start = time.perf_counter()
+        memory.before_verify(p0, n)
         target.decode([token] * n, p0, logits=True)
         seconds = time.perf_counter() - start
-        target.remove(0, p0)
+        start = time.perf_counter()
+        memory.keep(p0, [token] * n, 0)
+        rollback[n] = min(time.perf_counter() - start, rollback.get(n, math.inf))
         return seconds
 
     def time_draft(n: int) -> float:
+        memory.before_verify(p0, 1)
         target.decode([token], p0, logits=False)
         features = target.features(1)
-        target.remove(0, p0)
+        memory.keep(p0, [token], 0)
         start = time.perf_counter()
         drafter.inject(features, p0)
         drafter.draft(token, p0 + 1, n - 1)
@@ -336,7 +452,8 @@ def calibrate(target: Target, drafter: Drafter, *, budget_s: float = 0.4, smooth
             seconds = fn(n)
             table[n] = min(seconds, table.get(n, math.inf))
         sweeps += 1
-    return CostModel(_non_decreasing(verify), _non_decreasing(draft), smoothing=smoothing)
+    rollback_table = None if isinstance(memory, KVTruncation) else {n: max(s, _MIN_ROLLBACK_S) for n, s in rollback.items()}
+    return CostModel(_non_decreasing(verify), _non_decreasing(draft), rollback=rollback_table, smoothing=smoothing)
 
 
 def _non_decreasing(table: dict[int, float]) -> dict[int, float]:

@@ -1,10 +1,9 @@
-"""The decode loop: prefill, then draft -> verify -> accept -> roll back -> inject, one Step per cycle.
+"""The decode loop: prefill, then offer -> choose -> propose -> verify -> accept -> keep -> commit, one Step per cycle.
 
-Modelled on z-lab's `dflash_generate`: a block is [last committed token, d1..dk]; after verification
-the KV rows of the rejected drafts are dropped from both caches, the features of the committed block
-tokens (last + accepted drafts) go into the drafter, and the target's bonus token starts the next block.
-Plain decoding (no drafter, or a cycle the controller keeps plain) runs through the same loop; the
-drafter is given the features of plain cycles in one batch when it next drafts.
+Modelled on z-lab's `dflash_generate`: a block is [last committed token, d1..dk]; after verification the
+target memory keeps the committed rows, every draft source observes them, and the target's bonus token
+starts the next block. Plain decoding runs through the same loop, as cycles that draft nothing. The loop
+holds no C calls: the target decodes, the memory rolls back, the sources draft.
 """
 
 from __future__ import annotations
@@ -12,31 +11,17 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled
-from .controller import BlockController
-from .drafter import Drafter
+from .controller import Choice, CycleTiming, PlainPolicy, Policy
+from .memory import TargetMemory
 from .sampling import SamplingParams, probabilities, sample_token
+from .sources import Candidate, Commit, DraftSource
+from .steps import Step, StepKind, TokenSource
 from .target import Target
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one cycle committed (the first Step is the token sampled from the prefill)."""
-
-    tokens: list[int]
-    text: str
-    n_drafted: int
-    n_accepted: int
-    bonus_token: int | None
-    block_size: int
-    reason: str
-    draft_s: float
-    verify_s: float
-    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +39,8 @@ class GenerationConfig:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {self.speculative!r}")
         b = self.block_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"block_size must be None (adaptive) or an integer >= 1, got {b!r}")
@@ -61,25 +48,42 @@ class GenerationConfig:
 
 @dataclass
 class CacheState:
-    """Which tokens the target KV cache holds, and how many of their positions the drafter has features for."""
+    """Which tokens the target memory holds for sequence 0, and how many of the last prompt it reused."""
 
     tokens: list[int] = field(default_factory=list)
-    drafter_n: int = 0
-    reused: int = 0  # prompt tokens the last generation found cached
+    reused: int = 0
+
+    def common_prefix(self, prompt: Sequence[int]) -> int:
+        """Cached tokens shared with the prompt, leaving the last prompt token to decode for its logits."""
+        n, limit = 0, min(len(self.tokens), len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        return n
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def invalidate(self) -> None:
+        """The target's memory is in an unknown state: nothing cached may be trusted."""
+        self.tokens.clear()
+        self.reused = 0
 
 
 class TextStream:
     """Incremental detokenisation with stop strings: text that could start a stop string is held back."""
 
     def __init__(self, target: Target, stop: Sequence[str]) -> None:
-        self._target = target
+        self._token_bytes = target.token_bytes
         self._stop = tuple(stop)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
 
     def feed(self, token: int) -> tuple[str, bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
-        self._held += self._decoder.decode(self._target.token_bytes(token))
+        self._held += self._decoder.decode(self._token_bytes(token))
         for s in self._stop:
             i = self._held.find(s)
             if i >= 0:
@@ -97,131 +101,138 @@ class TextStream:
 
 def decode_steps(
     target: Target,
-    drafter: Drafter | None,
     prompt: Sequence[int],
     config: GenerationConfig,
     cache: CacheState,
-    controller: BlockController | None = None,
+    *,
+    memory: TargetMemory,
+    sources: Sequence[DraftSource] = (),
+    policy: Policy | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt`, reusing the cached prefix; yields one Step per cycle, the last with finish_reason.
 
-    The first Step (reason "prefill") holds the token sampled from the prompt, its verify_s the prefill time.
-    `cache` is kept true after every yield, so a caller may stop iterating at any point.
+    The first Step (kind PREFILL) holds the token sampled from the prompt, its verify_s the prefill time.
+    Sources are fed only when config.speculative; all of them are truncated with the target, so none holds
+    state the target has dropped. `cache` is kept true after every yield: a caller may stop at any point.
     """
-    speculative = drafter is not None and config.speculative
-    if speculative and target.recurrent:
-        raise ValueError("speculative decoding needs a target whose KV cache can be rolled back; this one is recurrent/hybrid")
-    if speculative and config.block_size is None and controller is None:
-        raise ValueError("adaptive block size (block_size=None) needs a BlockController")
-    if not 0 < len(prompt) <= target.n_ctx_seq:
-        raise ValueError(f"prompt of {len(prompt)} tokens does not fit: need 1..{target.n_ctx_seq} (the context size)")
+    n_ctx = target.n_ctx_seq
+    if not 0 < len(prompt) <= n_ctx:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit: need 1..{n_ctx} (the context size)")
+    active = list(sources) if config.speculative and memory.can_rollback else []
+    if not active:
+        policy = PlainPolicy()
+    elif policy is None:
+        raise ValueError("speculative decoding needs a Policy")
+    by_name = {s.name: s for s in active}
     params = config.sampling
     rng = params.rng()
-    n_ctx = target.n_ctx_seq
     text = TextStream(target, config.stop)
+    features = any(s.needs_features for s in active)
 
-    keep = 0 if target.recurrent else _reusable_prefix(cache, prompt, speculative)
-    target.remove(0, keep)
-    if drafter is not None:
-        drafter.remove(min(keep, cache.drafter_n))
-    cache.tokens = list(prompt[:keep])
+    keep = min([cache.common_prefix(prompt)] + [s.cached() for s in active])
+    keep = memory.truncate(keep)
+    cache.truncate(keep)
     cache.reused = keep
-    cache.drafter_n = min(keep, cache.drafter_n) if drafter is not None else 0
+    for s in sources:
+        s.truncate(keep)
 
-    # prefill the uncached prompt suffix in n_batch chunks, features injected for every chunk
+    def commit(start: int, tokens: Sequence[int]) -> None:
+        cache.commit(tokens)
+        if active:
+            rows = len(tokens)
+            c = Commit(start, tokens, (lambda: target.features(rows)) if features else None)
+            for s in active:
+                s.observe(c)
+
+    # prefill the uncached prompt suffix in n_batch chunks; sources see every chunk
     t0 = time.perf_counter()
     pos = keep
     while pos < len(prompt):
         chunk = prompt[pos : pos + target.n_batch]
         target.decode(chunk, pos, logits="last" if pos + len(chunk) == len(prompt) else False)
-        if speculative:
-            drafter.inject(target.features(len(chunk)), pos)
-            cache.drafter_n = pos + len(chunk)
-        cache.tokens.extend(chunk)
+        commit(pos, chunk)
         pos += len(chunk)
     last = _pick(target.output_logits()[-1:], params, rng)
+    for s in active:
+        s.finish()
     prefill_s = time.perf_counter() - t0
 
-    # features of committed rows not yet given to the drafter: injected in one batch before the next
-    # draft, so that cycles the controller keeps plain pay no drafter call at all
-    pending: list[np.ndarray] = []
-
-    step, done = _commit([last], text, target, config, 0)
+    out = _commit([last], [TokenSource.PREFILL], text, target, config, 0)
     n_generated = 1
-    yield Step(step.tokens, step.text, 0, 0, None, 1, "prefill", 0.0, prefill_s, done)
+    done = out.finish_reason
+    yield Step(kind=StepKind.PREFILL, verify_s=prefill_s, block_size=1, reason="prefill", **out.fields())
     n_past = len(prompt)
 
     while not done:
+        t_cycle = time.perf_counter()
         if n_past >= n_ctx:
-            yield Step([], text.flush(), 0, 0, None, 0, "context full", 0.0, 0.0, "length")
+            tail = text.flush()
+            yield Step(kind=StepKind.CONTEXT_FULL, tokens=[], text=tail, spans=_spans([(tail, TokenSource.PLAIN)]),
+                       reason="context full", finish_reason="length")
             return
-        n_draft, reason = _block_choice(drafter if speculative else None, config, controller)
         # the block [last, drafts] must fit the context, and commit no more than max_tokens allows
-        n_draft = max(0, min(n_draft, n_ctx - n_past - 1, config.max_tokens - n_generated - 1))
-        block = [last]
+        room = max(0, min(n_ctx - n_past - 1, config.max_tokens - n_generated - 1))
+        choice = policy.choose(_offers(active, last, n_past, room))
+        n_draft = min(choice.n_draft, room)
+        if n_draft != choice.n_draft:
+            choice = Choice(choice.source if n_draft else None, n_draft, choice.kind if n_draft else StepKind.PLAIN, choice.reason)
 
+        candidate: Candidate | None = None
         t_draft = time.perf_counter()
-        proposal = None
-        if n_draft > 0:
-            _flush(drafter, pending, cache)
-            proposal = drafter.propose(last, n_past, n_draft, params, rng)
-            block += proposal.tokens.tolist()
-        draft_s = time.perf_counter() - t_draft
-
+        if n_draft:
+            candidate = by_name[choice.source].propose(last, n_past, n_draft, params, rng)
+        block = [last] + ([] if candidate is None else candidate.tokens.tolist())
         t_verify = time.perf_counter()
+
+        memory.before_verify(n_past, len(block))
         target.decode(block, n_past, logits=True)
-        n_accepted, bonus = _verify(target.output_logits(), proposal, params, rng)
-        verify_s = time.perf_counter() - t_verify
+        n_accepted, bonus = _verify(target.output_logits(), candidate, params, rng)
+        t_keep = time.perf_counter()
+        memory.keep(n_past, block, n_accepted + 1)
+        t_done = time.perf_counter()
 
-        # roll back the rejected drafts in the target; keep the committed block rows' features for the drafter
-        committed = block[: n_accepted + 1]
-        if n_accepted < n_draft:
-            target.remove(0, n_past + n_accepted + 1)
-        cache.tokens.extend(committed)
-        if speculative:
-            pending.append(target.features(len(committed)))
-        n_past += len(committed)
-        if controller is not None and speculative:
-            controller.observe(n_draft, n_accepted)
-            controller.observe_timing("verify" if n_draft else "plain", len(block), verify_s)
-            if n_draft:
-                controller.observe_timing("draft", len(block), draft_s)
+        commit(n_past, block[: n_accepted + 1])
+        n_past += n_accepted + 1
+        timing = CycleTiming(len(block), t_verify - t_draft, t_keep - t_verify, t_done - t_keep)
+        policy.observe(choice, n_accepted, timing)
 
-        new = block[1 : n_accepted + 1] + [bonus]
-        step, done = _commit(new, text, target, config, n_generated)
-        n_generated += len(new)
+        drafted = by_name[choice.source].provenance if n_draft else None
+        provenance = [drafted] * n_accepted + [TokenSource.BONUS if n_draft else TokenSource.PLAIN]
+        out = _commit(block[1 : n_accepted + 1] + [bonus], provenance, text, target, config, n_generated)
+        n_generated += n_accepted + 1
+        done = out.finish_reason
         last = bonus
-        if done and speculative:
-            _flush(drafter, pending, cache)  # so that a follow-up turn reuses the whole prefix in both caches
-        yield Step(step.tokens, step.text, n_draft, n_accepted, bonus, len(block), reason, draft_s, verify_s, done)
+        if done:
+            for s in active:
+                s.finish()  # so that a follow-up turn reuses the whole prefix everywhere
+            memory.end_of_turn(n_past)
+        yield Step(
+            kind=choice.kind if n_draft else StepKind.PLAIN,
+            source=choice.source if n_draft else None,
+            n_drafted=n_draft,
+            n_accepted=n_accepted,
+            bonus_token=bonus,
+            block_size=len(block),
+            reason=choice.reason,
+            draft_s=timing.draft_s,
+            verify_s=timing.verify_s,
+            rollback_s=timing.rollback_s,
+            cycle_s=time.perf_counter() - t_cycle,
+            confidences=() if candidate is None or candidate.confidences is None else tuple(map(float, candidate.confidences)),
+            **out.fields(),
+        )
 
 
-def _flush(drafter: Drafter, pending: list[np.ndarray], cache: CacheState) -> None:
-    """Inject the backlog of committed rows' features at the positions after the drafter's last."""
-    if pending:
-        features = np.concatenate(pending) if len(pending) > 1 else pending[0]
-        drafter.inject(features, cache.drafter_n)
-        cache.drafter_n += len(features)
-        pending.clear()
-
-
-def _reusable_prefix(cache: CacheState, prompt: Sequence[int], speculative: bool) -> int:
-    """Cached tokens shared with the prompt, leaving the last prompt token to decode for its logits."""
-    n = 0
-    limit = min(len(cache.tokens), len(prompt) - 1)
-    while n < limit and cache.tokens[n] == prompt[n]:
-        n += 1
-    return min(n, cache.drafter_n) if speculative else n
-
-
-def _block_choice(drafter: Drafter | None, config: GenerationConfig, controller: BlockController | None) -> tuple[int, str]:
-    if drafter is None:
-        return 0, "plain decoding"
-    if config.block_size is not None:
-        n = min(config.block_size, drafter.block_size) - 1
-        return n, f"fixed block {n + 1}"
-    choice = controller.choose()
-    return choice.n_draft, choice.reason
+def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -> Mapping[str, int]:
+    """What each source can propose now, within the room this cycle has."""
+    if room == 0:
+        return {}
+    offers = {}
+    for s in sources:
+        n = min(s.available(last, n_past), room)
+        if n > 0:
+            offers[s.name] = n
+    return offers
 
 
 def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -231,14 +242,14 @@ def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) 
     return sample_token(probabilities(logits, params)[0], rng)
 
 
-def _verify(logits: np.ndarray, proposal, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+def _verify(logits: np.ndarray, candidate: Candidate | None, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
     """(n_accepted, bonus) for a verified block; logits (k+1, V) are the target's rows for [last, d1..dk]."""
-    if proposal is None:
+    if candidate is None:
         return 0, _pick(logits, params, rng)
     if params.greedy:
-        return accept_greedy(proposal.tokens, logits.argmax(axis=1))
+        return accept_greedy(candidate.tokens, logits.argmax(axis=1))
     return accept_sampled(
-        proposal.tokens, proposal.q, probabilities(logits, params), rng, draft_indices=proposal.q_ids
+        candidate.tokens, candidate.q, probabilities(logits, params), rng, draft_indices=candidate.q_ids
     )
 
 
@@ -246,22 +257,50 @@ def _verify(logits: np.ndarray, proposal, params: SamplingParams, rng: np.random
 class _Committed:
     tokens: list[int]
     text: str
+    provenance: tuple[TokenSource, ...]
+    spans: tuple[tuple[str, TokenSource], ...]
+    finish_reason: str | None
+
+    def fields(self) -> dict:
+        return {"tokens": self.tokens, "text": self.text, "provenance": self.provenance, "spans": self.spans,
+                "finish_reason": self.finish_reason}
 
 
 def _commit(
-    new: list[int], text: TextStream, target: Target, config: GenerationConfig, n_generated: int
-) -> tuple[_Committed, str | None]:
+    new: list[int], provenance: Sequence[TokenSource], text: TextStream, target: Target, config: GenerationConfig,
+    n_generated: int,
+) -> _Committed:
     """Apply the stop rules to freshly committed tokens: EOG, stop strings, max_tokens, in token order."""
     tokens: list[int] = []
-    out = ""
-    for i, tok in enumerate(new):
+    pieces: list[tuple[str, TokenSource]] = []
+    finish = None
+    for i, (tok, src) in enumerate(zip(new, provenance)):
         if target.is_eog(tok):
-            return _Committed(tokens, out + text.flush()), "stop"
+            pieces.append((text.flush(), src))
+            finish = "stop"
+            break
         tokens.append(tok)
         piece, stopped = text.feed(tok)
-        out += piece
+        pieces.append((piece, src))
         if stopped:
-            return _Committed(tokens, out), "stop"
+            finish = "stop"
+            break
         if n_generated + i + 1 >= config.max_tokens:
-            return _Committed(tokens, out + text.flush()), "length"
-    return _Committed(tokens, out), None
+            pieces.append((text.flush(), src))
+            finish = "length"
+            break
+    spans = _spans(pieces)
+    return _Committed(tokens, "".join(t for t, _ in spans), tuple(provenance[: len(tokens)]), spans, finish)
+
+
+def _spans(pieces: Sequence[tuple[str, TokenSource]]) -> tuple[tuple[str, TokenSource], ...]:
+    """Adjacent pieces of the same provenance merged, empty ones dropped."""
+    out: list[tuple[str, TokenSource]] = []
+    for piece, src in pieces:
+        if not piece:
+            continue
+        if out and out[-1][1] is src:
+            out[-1] = (out[-1][0] + piece, src)
+        else:
+            out.append((piece, src))
+    return tuple(out)

@@ -20,7 +20,7 @@ from llama_cpp import llama_cpp as capi
 from . import llama_ext
 from .sampling import SamplingParams, probabilities, sample_token
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
-from .target import NativeResource, Target, check_gguf_file, load_model, meta_str, new_context
+from .target import NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
 
 
 class PairingError(ValueError):
@@ -38,6 +38,7 @@ class Proposal:
     tokens: np.ndarray
     q: np.ndarray | None = None
     q_ids: np.ndarray | None = None
+    confidences: np.ndarray | None = None  # predicted P(accepted) per slot, where the drafter has a head for it
 
 
 def _meta_float(model: capi.llama_model_p, key: str) -> float:
@@ -89,12 +90,28 @@ class Drafter(NativeResource):
         self.path = check_gguf_file(path)
         self.target = target
         self._model = load_model(self.path, n_gpu_layers=target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers)
+        self._shared = SharedModel(self._model, owned=True)
         try:
             check_pairing(self._model, self.path, target)
             self._setup(n_threads)
         except BaseException:
             self.close()
             raise
+
+    def fork(self, target: Target) -> "Drafter":
+        """A drafter context for another context of the same target model, on this drafter's loaded model."""
+        if not self._model:
+            raise RuntimeError("the drafter is closed")
+        other = Drafter.__new__(Drafter)
+        other.path, other.target = self.path, target
+        other._shared = self._shared.share()
+        other._model = self._model
+        try:
+            other._setup(capi.llama_n_threads(self._ctx))
+        except BaseException:
+            other.close()
+            raise
+        return other
 
     def _setup(self, n_threads: int | None) -> None:
         model, target = self._model, self.target
@@ -105,6 +122,8 @@ class Drafter(NativeResource):
         self.causal = meta_str(model, Keys.CAUSAL) == "true"
         self.selector_top_k = int(llama_ext.model_dflash_selector_top_k(model))
         self.is_dflash2 = self.selector_top_k > 0
+        self.kind = "dflash2" if self.is_dflash2 else "dflash"  # the draft source's name in Steps and stats
+        self.max_draft = self.block_size - 1  # block = [last committed token, drafts]
         self.n_embd = capi.llama_model_n_embd(model)
         self.n_vocab = target.n_vocab
         self._logit_scale = _meta_float(model, Keys.LOGIT_SCALE)
@@ -261,5 +280,5 @@ class Drafter(NativeResource):
         if getattr(self, "_ctx", None):
             capi.llama_free(self._ctx)
         if getattr(self, "_model", None):
-            capi.llama_model_free(self._model)
+            self._shared.release()
         self._batch = self._ctx = self._model = None

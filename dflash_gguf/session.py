@@ -1,12 +1,13 @@
-"""The public API: a target and its DFlash drafter behind generate/stream/chat and llama_cpp-shaped methods."""
+"""The public API: a target and its draft sources behind generate/stream/chat and llama_cpp-shaped methods."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -14,38 +15,27 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import defaults
-from .controller import BlockController, calibrate
-from .decoding import CacheState, GenerationConfig, Step, decode_steps
+from .controller import AdaptivePolicy, BlockController, FixedPolicy, Policy, calibrate
+from .decoding import CacheState, GenerationConfig, decode_steps
 from .drafter import Drafter
+from .memory import TargetMemory, memory_for
 from .sampling import SamplingParams
+from .sources import DraftSource, NativeDrafterSource
+from .stats import GenerationStats, StatsBuilder
+from .steps import Step
 from .target import Target
 
 Message = Mapping[str, Any]
 
+__all__ = ["GenerationStats", "Result", "Session", "SessionBusyError", "SessionClosedError"]
 
-@dataclass(frozen=True)
-class GenerationStats:
-    """How a generation went. acceptance_length (tau) counts the bonus token: plain decoding has tau = 1."""
 
-    acceptance_length: float
-    cycles: int
-    n_drafted: int
-    n_accepted: int
-    acceptance_histogram: list[int]  # [i] = cycles that accepted exactly i drafts
-    prefill_s: float
-    decode_s: float
-    decode_tokens_per_s: float
-    block_size: int | None  # the fixed block size asked for; None = adaptive
-    mean_block_size: float
-    draft_s: float
-    verify_s: float
-    n_prompt_tokens: int
-    n_cached_tokens: int
-    n_tokens: int
-    speculative: bool
+class SessionClosedError(RuntimeError):
+    """The Session was closed; its native memory is gone."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+class SessionBusyError(RuntimeError):
+    """Another generation is running on this Session (raised instead of waiting when wait=False)."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +53,15 @@ def _default_drafter() -> Path | None:
 
 
 class Session:
-    """A target GGUF and a dflash drafter GGUF decoding together; output is the target's, only faster.
+    """A target GGUF and its draft sources decoding together; output is the target's, only faster.
 
-    target=None uses the embedded SmolLM2 target and, with drafter=None, its embedded drafter when the
-    package ships one. Without a drafter every generation is plain decoding (a warning says so once).
+    target=None uses the embedded SmolLM2 target and, with drafter=None, its embedded drafter. Without a
+    drafter every generation is plain decoding (a warning says so once).
+
+    Generations on one Session are serialised: a second caller (another thread) waits until the running
+    one ends, or, with wait=False, gets SessionBusyError at once. fork() gives an independent Session on
+    the same loaded weights for real parallelism. After close() every method raises SessionClosedError;
+    a stream running while close() is called ends at its next cycle.
     """
 
     def __init__(
@@ -80,6 +75,7 @@ class Session:
         n_batch: int = 512,
         flash_attn: bool = True,
         verbose: bool = False,
+        wait: bool = True,
     ) -> None:
         if drafter is None and target is None:
             drafter = _default_drafter()
@@ -93,7 +89,7 @@ class Session:
             verbose=verbose,
         )
         try:
-            self._attach(tgt, drafter, n_threads)
+            self._attach(tgt, drafter, n_threads, wait=wait)
         except BaseException:
             tgt.close()
             raise
@@ -101,35 +97,71 @@ class Session:
 
     @classmethod
     def from_llama(
-        cls, llama: llama_cpp.Llama, drafter: str | os.PathLike[str] | None = None, *, n_threads: int | None = None
+        cls,
+        llama: llama_cpp.Llama,
+        drafter: str | os.PathLike[str] | None = None,
+        *,
+        n_threads: int | None = None,
+        wait: bool = True,
     ) -> "Session":
         """Wrap an existing llama_cpp.Llama: its model and context become the target (still owned by it).
 
         Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README).
         """
         self = cls.__new__(cls)
-        self._attach(Target.from_llama(llama), drafter, n_threads)
+        self._attach(Target.from_llama(llama), drafter, n_threads, wait=wait)
         self._llama = llama
         llama.reset()
         return self
 
-    def _attach(self, target: Target, drafter: str | os.PathLike[str] | None, n_threads: int | None) -> None:
+    def fork(self) -> "Session":
+        """A new Session on the same loaded target and drafter weights, with its own contexts and caches."""
+        with self._native:
+            self._check_open()
+            target = self.target.fork()
+            try:
+                drafter = self.drafter.fork(target) if self.drafter is not None else None
+            except BaseException:
+                target.close()
+                raise
+        other = Session.__new__(Session)
+        other._attach(target, drafter, None, wait=self._wait)
+        other._llama = None
+        return other
+
+    def _attach(
+        self, target: Target, drafter: str | os.PathLike[str] | Drafter | None, n_threads: int | None, *, wait: bool
+    ) -> None:
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, got {wait!r}")
         self.target = target
         self.drafter: Drafter | None = None
+        self.memory: TargetMemory = memory_for(target)
+        self.speculative_disabled_reason: str | None = None
         self._cache = CacheState()
         self._block_controller: BlockController | None = None
         self._warned_plain = False
+        self._wait = wait
+        self._closed = False
+        self._generation = threading.Lock()  # held for a whole generation: one at a time
+        self._generation_thread: int | None = None
+        self._native = threading.Lock()  # held while a cycle runs in C: close() waits for it
         self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
         if drafter is None:
+            self._sources: list[DraftSource] = []
             return
-        if target.recurrent:
-            warnings.warn(
-                f"{target.architecture} keeps recurrent state that cannot be rolled back: "
-                "speculative decoding is off, every generation decodes plainly",
-                stacklevel=3,
+        if not self.memory.can_rollback:
+            self.speculative_disabled_reason = (
+                f"{target.architecture} keeps recurrent state that this runtime cannot roll back"
             )
+            warnings.warn(f"{self.speculative_disabled_reason}: speculative decoding is off, every generation decodes plainly",
+                          stacklevel=3)
+            if isinstance(drafter, Drafter):
+                drafter.close()
+            self._sources = []
             return
-        self.drafter = Drafter(drafter, target, n_threads=n_threads)
+        self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
+        self._sources = [NativeDrafterSource(self.drafter)]
 
     # -- generation ------------------------------------------------------------------------
     def stream(
@@ -163,52 +195,104 @@ class Session:
         """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
         prompt, stops = self.render_chat(messages)
         args = _gen_args(gen)
-        user_stop = args.pop("stop", None)
-        user_stops = [user_stop] if isinstance(user_stop, str) else list(user_stop or [])
-        config = _config(stop=user_stops + stops, **args)
+        config = _config(stop=_stops(args.pop("stop", None)) + tuple(stops), **args)
         return self._steps(self.tokenize(prompt, add_special=False), config)
 
     def reset(self) -> None:
-        """Forget both KV caches, so that the next generation prefills its whole prompt (benchmarks want that)."""
-        self._cache = CacheState()
+        """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that)."""
+        with self._native:
+            self._check_open()
+            self._forget()
+
+    def _forget(self) -> None:
+        self._cache.invalidate()
         self.target.remove(0, 0)
-        if self.drafter is not None:
-            self.drafter.remove(0)
+        for s in self._sources:
+            s.truncate(0)
 
     def _steps(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
-        """decode_steps with this Session's caches; `last_stats` describes the generation once it ends."""
+        """decode_steps with this Session's caches, one generation at a time; sets `last_stats` at the end."""
+        self._check_open()
+        self._enter_generation()
+        try:
+            with self._native:
+                self._check_open()
+                steps = self._start(tokens, config)
+            builder = StatsBuilder()
+            t0 = time.perf_counter()
+            while True:
+                with self._native:
+                    if self._closed:
+                        return  # close() was called during the stream: end it cleanly
+                    try:
+                        step = next(steps)
+                    except StopIteration:
+                        break
+                    except BaseException:
+                        self._forget()  # a failure mid-cycle leaves the memory in an unknown state
+                        raise
+                builder.add(step)
+                yield step
+            self.last_stats = builder.stats(
+                wall_s=time.perf_counter() - t0,
+                n_prompt_tokens=len(tokens),
+                n_cached_tokens=self._cache.reused,
+                block_size=config.block_size,
+                speculative=config.speculative and bool(self._sources),
+                memory=self.memory.name,
+                memory_extra_bytes=self.memory.extra_bytes,
+                speculative_disabled_reason=self.speculative_disabled_reason,
+            )
+        finally:
+            self._generation_thread = None
+            self._generation.release()
+
+    def _enter_generation(self) -> None:
+        if self._generation_thread == threading.get_ident():
+            raise RuntimeError("this thread is still iterating a stream of this Session: finish or close it first")
+        if not self._generation.acquire(blocking=self._wait):
+            raise SessionBusyError("another generation is running on this Session (wait=False)")
+        self._generation_thread = threading.get_ident()
+
+    def _start(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
+        """The decode_steps generator for one generation, with its policy."""
         if self._llama is not None:
             if self._llama.n_tokens:
-                self._cache = CacheState()  # the wrapped Llama decoded in between: our cached prefix is gone
+                self._forget()  # the wrapped Llama decoded in between: our cached prefix is gone
             self._llama.reset()  # and it must not trust its own prefix once we have used the context
-        speculative = config.speculative and self.drafter is not None
-        if config.speculative and self.drafter is None and not self._warned_plain:
-            warnings.warn("this Session has no drafter: decoding plainly", stacklevel=3)
+        if config.speculative and not self._sources and not self._warned_plain:
+            warnings.warn(
+                f"{self.speculative_disabled_reason or 'this Session has no drafter'}: decoding plainly", stacklevel=4
+            )
             self._warned_plain = True
-        controller = self._controller() if speculative and config.block_size is None else None
-        steps: list[Step] = []
-        t0 = time.perf_counter()
-        try:
-            for step in decode_steps(self.target, self.drafter, tokens, config, self._cache, controller):
-                steps.append(step)
-                yield step
-        except GeneratorExit:
-            raise  # the caller stopped reading: the cache is consistent at every yield
-        except BaseException:
-            self._cache = CacheState()  # a failure mid-cycle leaves the KV caches in an unknown state
-            self.target.remove(0, 0)
-            raise
-        self.last_stats = self._stats(steps, time.perf_counter() - t0, len(tokens), config)
+        policy = self._policy(config) if config.speculative and self._sources else None
+        return decode_steps(
+            self.target, tokens, config, self._cache, memory=self.memory, sources=self._sources, policy=policy
+        )
+
+    def _policy(self, config: GenerationConfig) -> Policy:
+        source = self._sources[0]
+        if config.block_size is not None:
+            return FixedPolicy(config.block_size)
+        return AdaptivePolicy(source.name, self._controller())
 
     def _controller(self) -> BlockController:
         """One controller for the Session's life: the measured costs, the acceptance profile and its
         probing back-off carry over between generations, so a weak drafter is not re-probed every turn."""
         if self._block_controller is None:
-            self._block_controller = BlockController(self.drafter.block_size - 1, calibrate(self.target, self.drafter))
+            drafter = self.drafter
+            room = min(self.target.n_ctx_seq, drafter.n_ctx)
+            block = min(drafter.block_size, room)
+            if self.target.pos_max(0) + 1 + block > room or not self.memory.name == "kv":
+                self._forget()  # calibrate on an empty context rather than refuse a valid call
+            costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
+            self._block_controller = BlockController(block - 1, costs)
         return self._block_controller
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)
+        if not all_steps:
+            raise SessionClosedError("the Session was closed during the generation")
         return Result(
             text="".join(s.text for s in all_steps),
             tokens=[t for s in all_steps for t in s.tokens],
@@ -216,37 +300,14 @@ class Session:
             stats=self.last_stats,
         )
 
-    def _stats(self, steps: list[Step], wall: float, n_prompt: int, config: GenerationConfig) -> GenerationStats:
-        prefill, cycles = steps[0], [s for s in steps[1:] if s.block_size > 0]
-        n_drafted = sum(s.n_drafted for s in cycles)
-        n_accepted = sum(s.n_accepted for s in cycles)
-        histogram = [0] * (max((s.n_drafted for s in cycles), default=0) + 1)
-        for s in cycles:
-            histogram[s.n_accepted] += 1
-        decode_s = max(wall - prefill.verify_s, 1e-9)
-        decode_tokens = sum(len(s.tokens) for s in steps[1:])
-        return GenerationStats(
-            acceptance_length=sum(s.n_accepted + 1 for s in cycles) / len(cycles) if cycles else 0.0,
-            cycles=len(cycles),
-            n_drafted=n_drafted,
-            n_accepted=n_accepted,
-            acceptance_histogram=histogram,
-            prefill_s=prefill.verify_s,
-            decode_s=decode_s,
-            decode_tokens_per_s=decode_tokens / decode_s,
-            block_size=config.block_size,
-            mean_block_size=sum(s.block_size for s in cycles) / len(cycles) if cycles else 0.0,
-            draft_s=sum(s.draft_s for s in cycles),
-            verify_s=sum(s.verify_s for s in cycles),
-            n_prompt_tokens=n_prompt,
-            n_cached_tokens=self._cache.reused,
-            n_tokens=sum(len(s.tokens) for s in steps),
-            speculative=config.speculative and self.drafter is not None,
-        )
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this Session is closed")
 
     # -- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """The target's tokens for `text` (special tokens parsed), checked to fit the context."""
+        self._check_open()
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
         tokens = self.target.tokenize(text, add_special=add_special, parse_special=True)
@@ -263,6 +324,7 @@ class Session:
         """The prompt text from the GGUF's chat template, and the template's stop strings."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        self._check_open()
         template = self.target.chat_template()
         if template is None:
             raise ValueError(f"{self.target.path}: the GGUF has no chat template; use generate() with a raw prompt")
@@ -314,10 +376,9 @@ class Session:
         """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF."""
         prompt, stops = self.render_chat(messages)
         tokens = self.tokenize(prompt, add_special=False)
-        user_stops = [stop] if isinstance(stop, str) else list(stop or [])
         config = _config(
             self._max_tokens(max_tokens, len(tokens)),
-            temperature, top_p, top_k, seed, user_stops + stops, speculative, block_size,
+            temperature, top_p, top_k, seed, _stops(stop) + tuple(stops), speculative, block_size,
         )
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
@@ -352,14 +413,24 @@ class Session:
                 yield {**header, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": step.finish_reason}]}
 
     # -- lifetime --------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Free the drafter and, unless wrapped from a Llama, the target."""
-        if self.drafter is not None:
-            self.drafter.close()
-            self.drafter = None
-        self.target.close()
-        if self._llama is not None:
-            self._llama.reset()
+        """Free the drafter and, unless wrapped from a Llama, the target; a running stream ends at its next cycle.
+
+        Safe to call twice, and from another thread: it waits for the cycle in progress, never for the stream.
+        """
+        with self._native:
+            if self._closed:
+                return
+            self._closed = True
+            if self.drafter is not None:
+                self.drafter.close()
+            self.target.close()
+            if self._llama is not None:
+                self._llama.reset()
 
     def __enter__(self) -> "Session":
         return self
@@ -379,6 +450,17 @@ def _gen_args(gen: Mapping[str, Any]) -> dict[str, Any]:
     return dict(gen)
 
 
+def _stops(stop: Any) -> tuple[str, ...]:
+    """A stop argument as a tuple: None, one string, or a list/tuple of strings; anything else is refused."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+
+
 def _config(
     max_tokens: int = 128,
     temperature: float = 0.0,
@@ -389,11 +471,10 @@ def _config(
     speculative: bool = True,
     block_size: int | None = None,
 ) -> GenerationConfig:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return GenerationConfig(
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        stop=stops,
-        speculative=bool(speculative),
+        stop=_stops(stop),
+        speculative=speculative,
         block_size=block_size,
     )

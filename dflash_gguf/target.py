@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence, Union
@@ -143,6 +144,30 @@ class NativeResource(ABC):
             pass
 
 
+class SharedModel:
+    """One loaded llama_model behind every context made on it (server slots); freed with the last user."""
+
+    def __init__(self, model: capi.llama_model_p, *, owned: bool) -> None:
+        self.ptr = model
+        self._owned = owned
+        self._users = 1
+        self._lock = threading.Lock()
+
+    def share(self) -> "SharedModel":
+        with self._lock:
+            if self._users == 0:
+                raise RuntimeError("the model was already freed")
+            self._users += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last and self._owned:
+            capi.llama_model_free(self.ptr)
+
+
 class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
@@ -155,6 +180,7 @@ class Target(NativeResource):
         path: str | os.PathLike[str] | None = None,
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
+        shared: SharedModel | None = None,
     ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
@@ -163,7 +189,8 @@ class Target(NativeResource):
         self.flash_attn = flash_attn
         self._model = model
         self._ctx = ctx
-        self._owned = owned
+        self._owned = owned  # the context is ours to free
+        self._shared = shared or SharedModel(model, owned=owned)
         self._vocab = capi.llama_model_get_vocab(model)
         self._mem = capi.llama_get_memory(ctx)
         self.n_embd: int = capi.llama_model_n_embd(model)
@@ -466,10 +493,43 @@ class Target(NativeResource):
         return raw.decode("utf-8") if raw else None
 
     # -- lifetime --------------------------------------------------------------------------
+    def fork(self) -> "Target":
+        """A new context with this one's settings on the same loaded model (weights are not loaded twice)."""
+        if not self._ctx:
+            raise RuntimeError("the target is closed")
+        shared = self._shared.share()
+        try:
+            ctx = new_context(
+                self._model,
+                n_ctx=self.n_ctx,
+                n_batch=self.n_batch,
+                n_seq_max=self.n_seq_max,
+                n_threads=capi.llama_n_threads(self._ctx),
+                flash_attn=self.flash_attn,
+            )
+        except BaseException:
+            shared.release()
+            raise
+        return Target(
+            self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
+            flash_attn=self.flash_attn, shared=shared,
+        )
+
+    def set_threads(self, n_threads: int) -> None:
+        """Threads for single-token and batch decodes of this context."""
+        if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
+            raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
+        capi.llama_set_n_threads(self._ctx, n_threads, n_threads)
+
+    @property
+    def n_threads(self) -> int:
+        return int(capi.llama_n_threads(self._ctx))
+
     def close(self) -> None:
-        """Free model and context if this Target owns them; safe to call twice."""
-        if self._owned and self._ctx:
-            capi.llama_free(self._ctx)
-            capi.llama_model_free(self._model)
+        """Free the context if this Target owns it, and its share of the model; safe to call twice."""
+        if self._ctx:
+            if self._owned:
+                capi.llama_free(self._ctx)
+            self._shared.release()
         self._ctx = None
         self._model = None

@@ -1,0 +1,133 @@
+"""Draft sources behind one protocol: each offers a continuation for the next cycle and observes commits.
+
+The loop asks every source what it can offer, lets the policy pick one (source, length), has that source
+propose, verifies, and tells every source what was committed. Adding a source touches no line of the loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .drafter import Drafter
+from .sampling import SamplingParams
+from .steps import TokenSource
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Drafted tokens for block slots 1..n and how they were drawn.
+
+    q: None for greedy (or point-mass) drafts; dense (n, V), or sparse (n, k) over q_ids (n, k).
+    point_mass: the tokens were chosen deterministically (lookup): with sampling, each is accepted
+    with the target's own probability of it. confidences: predicted P(accepted) per slot, if known.
+    """
+
+    source: str
+    tokens: np.ndarray
+    q: np.ndarray | None = None
+    q_ids: np.ndarray | None = None
+    confidences: np.ndarray | None = None
+    point_mass: bool = False
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def head(self, n: int) -> "Candidate":
+        """The first n slots (a confidence cut)."""
+        cut = lambda a: None if a is None else a[:n]  # noqa: E731
+        return Candidate(self.source, self.tokens[:n], cut(self.q), cut(self.q_ids), cut(self.confidences), self.point_mass)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Tokens the target now holds at positions start.., and (lazily) their layer-input features."""
+
+    start: int
+    tokens: Sequence[int]
+    features: Callable[[], np.ndarray] | None = None  # valid only while observe() runs
+
+
+class DraftSource(ABC):
+    """One way of proposing tokens; `name` keys the controller's statistics and the Steps' `source`."""
+
+    name: str
+    provenance: TokenSource = TokenSource.DRAFT
+    max_draft: int
+    needs_features: bool = False  # whether observe() reads Commit.features (the loop captures them only then)
+
+    @abstractmethod
+    def cached(self) -> int:
+        """Positions (from 0) whose state this source holds: a reused prompt prefix can be no longer."""
+
+    @abstractmethod
+    def truncate(self, n: int) -> None:
+        """Forget every position >= n (the target dropped them)."""
+
+    @abstractmethod
+    def available(self, last: int, n_past: int) -> int:
+        """How many tokens it could propose after `last` at n_past, cheaply (0 = nothing now)."""
+
+    @abstractmethod
+    def propose(
+        self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Candidate:
+        """Draft n_draft tokens following `last`, which sits at position n_past."""
+
+    @abstractmethod
+    def observe(self, commit: Commit) -> None:
+        """The target committed these tokens (a prefill chunk, or a cycle's last + accepted drafts)."""
+
+    def finish(self) -> None:
+        """The generation ended: bring state up to date so a follow-up turn can reuse it."""
+
+
+class NativeDrafterSource(DraftSource):
+    """The libllama drafter (DFlash, DFlash2, DSpark) as a draft source.
+
+    Committed rows' features are kept and injected in one batch before the next draft, so cycles that
+    the controller keeps plain pay no drafter call at all.
+    """
+
+    needs_features = True
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.name = drafter.kind
+        self.max_draft = drafter.max_draft
+        self._n = 0  # positions injected into the drafter's KV cache
+        self._pending: list[np.ndarray] = []
+
+    def cached(self) -> int:
+        return self._n
+
+    def truncate(self, n: int) -> None:
+        self._pending.clear()
+        if n < self._n:
+            self.drafter.remove(n)
+            self._n = n
+
+    def available(self, last: int, n_past: int) -> int:
+        return self.max_draft
+
+    def propose(
+        self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Candidate:
+        self.finish()
+        p = self.drafter.propose(last, n_past, n_draft, params, rng)
+        return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
+
+    def observe(self, commit: Commit) -> None:
+        if commit.start != self._n + sum(len(f) for f in self._pending):
+            raise RuntimeError(f"drafter features out of order: commit at {commit.start}, drafter at {self._n}")
+        self._pending.append(commit.features())
+
+    def finish(self) -> None:
+        if self._pending:
+            features = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            self.drafter.inject(features, self._n)
+            self._n += len(features)

@@ -1,0 +1,211 @@
+"""One statistics model: every figure shown anywhere (Session, TUI, bench, server) is a view of this.
+
+Fed Steps, one at a time. tau (acceptance_length) counts the target's own token per cycle, so plain
+decoding has tau = 1. Speeds inside the loop use each Step's cycle_s, so what a consumer does between
+Steps (rendering, network) does not count against the decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from .steps import DRAFTED_KINDS, Step, StepKind, TokenSource
+
+MIN_BASELINE_CYCLES = 8  # plain cycles needed before their rate is a baseline worth dividing by
+
+
+def speedup(tokens_per_s: float | None, baseline_tokens_per_s: float | None) -> float | None:
+    """The one definition of speedup: a rate over a baseline rate measured under the same conditions."""
+    if not tokens_per_s or not baseline_tokens_per_s:
+        return None
+    return tokens_per_s / baseline_tokens_per_s
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """How one draft source did: cycles it drafted, tokens it proposed, tokens the target accepted."""
+
+    cycles: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.n_accepted / self.n_drafted if self.n_drafted else None
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """How a generation went."""
+
+    acceptance_length: float
+    cycles: int
+    n_drafted: int
+    n_accepted: int
+    acceptance_histogram: list[int]  # [i] = cycles that accepted exactly i drafts
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    block_size: int | None  # the fixed block size asked for; None = adaptive
+    mean_block_size: float
+    draft_s: float
+    verify_s: float
+    n_prompt_tokens: int
+    n_cached_tokens: int
+    n_tokens: int
+    speculative: bool
+    rollback_s: float = 0.0
+    loop_s: float = 0.0  # sum of the cycles' wall time inside the loop
+    plain_cycles: int = 0
+    acceptance_by_slot: list[float] = field(default_factory=list)  # [k]: P(slot k+1 accepted | drafted)
+    per_source: dict[str, SourceStats] = field(default_factory=dict)
+    tokens_by_provenance: dict[str, int] = field(default_factory=dict)
+    in_reply_plain_tokens_per_s: float | None = None  # the reply's own plain cycles: a like-for-like baseline
+    in_reply_speedup: float | None = None  # None until enough plain cycles ran in this reply
+    memory: str | None = None  # how the target rolls back (kv, snapshot, checkpoint)
+    memory_extra_bytes: int = 0
+    speculative_disabled_reason: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["per_source"] = {k: {**asdict(v), "acceptance_rate": v.acceptance_rate} for k, v in self.per_source.items()}
+        return out
+
+
+class StatsBuilder:
+    """Folds Steps in as they arrive; `stats()` may be read at any moment (live views) or at the end."""
+
+    def __init__(self) -> None:
+        self.prefill_s = 0.0
+        self.cycles = 0
+        self.plain_cycles = 0
+        self.plain_loop_s = 0.0
+        self.loop_s = 0.0
+        self.committed = 0  # tokens committed by decoding cycles (EOG included), the loop's own count
+        self.n_tokens = 0
+        self.decode_tokens = 0
+        self.draft_s = self.verify_s = self.rollback_s = 0.0
+        self.block_tokens = 0
+        self.histogram: list[int] = []
+        self.slot_drafted: list[int] = []
+        self.slot_accepted: list[int] = []
+        self.sources: dict[str, list[int]] = {}
+        self.provenance: dict[str, int] = {}
+        self.finish_reason: str | None = None
+
+    def add(self, step: Step) -> None:
+        self.n_tokens += len(step.tokens)
+        for p in step.provenance:
+            self.provenance[p.value] = self.provenance.get(p.value, 0) + 1
+        if step.finish_reason is not None:
+            self.finish_reason = step.finish_reason
+        if step.kind is StepKind.PREFILL:
+            self.prefill_s += step.verify_s
+            return
+        self.decode_tokens += len(step.tokens)
+        if step.kind is StepKind.CONTEXT_FULL:
+            return
+        self.cycles += 1
+        self.committed += step.n_accepted + 1
+        self.loop_s += step.cycle_s
+        self.draft_s += step.draft_s
+        self.verify_s += step.verify_s
+        self.rollback_s += step.rollback_s
+        self.block_tokens += step.block_size
+        if step.kind is StepKind.PLAIN:
+            self.plain_cycles += 1
+            self.plain_loop_s += step.cycle_s
+        _grow(self.histogram, step.n_drafted + 1)
+        self.histogram[step.n_accepted] += 1
+        if step.kind in DRAFTED_KINDS:
+            _grow(self.slot_drafted, step.n_drafted)
+            _grow(self.slot_accepted, step.n_drafted)
+            for k in range(step.n_drafted):
+                self.slot_drafted[k] += 1
+                self.slot_accepted[k] += k < step.n_accepted
+            counts = self.sources.setdefault(step.source or "?", [0, 0, 0])
+            counts[0] += 1
+            counts[1] += step.n_drafted
+            counts[2] += step.n_accepted
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(c[1] for c in self.sources.values())
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(c[2] for c in self.sources.values())
+
+    @property
+    def tau(self) -> float | None:
+        return self.committed / self.cycles if self.cycles else None
+
+    @property
+    def loop_tokens_per_s(self) -> float | None:
+        """Tokens per second of decoding cycles, measured inside the loop."""
+        return self.committed / self.loop_s if self.loop_s > 0 else None
+
+    @property
+    def in_reply_plain_tokens_per_s(self) -> float | None:
+        """The rate of this reply's own plain cycles, once there are enough to be a baseline."""
+        if self.plain_cycles < MIN_BASELINE_CYCLES or self.plain_loop_s <= 0:
+            return None
+        return self.plain_cycles / self.plain_loop_s
+
+    def stats(
+        self,
+        *,
+        wall_s: float,
+        n_prompt_tokens: int,
+        n_cached_tokens: int,
+        block_size: int | None,
+        speculative: bool,
+        memory: str | None = None,
+        memory_extra_bytes: int = 0,
+        speculative_disabled_reason: str | None = None,
+    ) -> GenerationStats:
+        decode_s = max(wall_s - self.prefill_s, 1e-9)
+        baseline = self.in_reply_plain_tokens_per_s
+        return GenerationStats(
+            acceptance_length=self.tau or 0.0,
+            cycles=self.cycles,
+            n_drafted=self.n_drafted,
+            n_accepted=self.n_accepted,
+            acceptance_histogram=list(self.histogram),
+            prefill_s=self.prefill_s,
+            decode_s=decode_s,
+            decode_tokens_per_s=self.decode_tokens / decode_s,
+            block_size=block_size,
+            mean_block_size=self.block_tokens / self.cycles if self.cycles else 0.0,
+            draft_s=self.draft_s,
+            verify_s=self.verify_s,
+            n_prompt_tokens=n_prompt_tokens,
+            n_cached_tokens=n_cached_tokens,
+            n_tokens=self.n_tokens,
+            speculative=speculative,
+            rollback_s=self.rollback_s,
+            loop_s=self.loop_s,
+            plain_cycles=self.plain_cycles,
+            acceptance_by_slot=[a / d for a, d in zip(self.slot_accepted, self.slot_drafted) if d],
+            per_source={k: SourceStats(*v) for k, v in self.sources.items()},
+            tokens_by_provenance=dict(self.provenance),
+            in_reply_plain_tokens_per_s=baseline,
+            in_reply_speedup=speedup(self.loop_tokens_per_s, baseline),
+            memory=memory,
+            memory_extra_bytes=memory_extra_bytes,
+            speculative_disabled_reason=speculative_disabled_reason,
+        )
+
+
+def _grow(counts: list[int], n: int) -> None:
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+
+
+def collect(steps: Iterable[Step]) -> StatsBuilder:
+    """A builder fed every Step of a finished generation."""
+    builder = StatsBuilder()
+    for step in steps:
+        builder.add(step)
+    return builder
