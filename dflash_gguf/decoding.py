@@ -170,8 +170,8 @@ def decode_steps(
             yield Step(kind=StepKind.CONTEXT_FULL, tokens=[], text=tail, spans=_spans([(tail, TokenSource.PLAIN)]),
                        reason="context full", finish_reason="length")
             return
-        # the block [last, drafts] must fit the context, and commit no more than max_tokens allows
-        room = max(0, min(n_ctx - n_past - 1, config.max_tokens - n_generated - 1))
+        # the block [last, drafts] must fit the context and one batch, and commit no more than max_tokens allows
+        room = max(0, min(n_ctx - n_past - 1, target.n_batch - 1, config.max_tokens - n_generated - 1))
         choice = policy.choose(_offers(active, last, n_past, room))
         n_draft = min(choice.n_draft, room)
         if n_draft != choice.n_draft:

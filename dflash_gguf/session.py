@@ -282,7 +282,7 @@ class Session:
         if self._block_controller is None:
             drafter = self.drafter
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
-            block = min(drafter.block_size, room)
+            block = min(drafter.block_size, room, self.target.n_batch)
             if self.target.pos_max(0) + 1 + block > room or not self.memory.name == "kv":
                 self._forget()  # calibrate on an empty context rather than refuse a valid call
             costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)

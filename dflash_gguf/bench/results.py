@@ -30,7 +30,7 @@ class Generation:
     position_drafted: list[int] = field(default_factory=list)  # [k]: cycles that drafted slot k+1
     position_accepted: list[int] = field(default_factory=list)  # [k]: cycles whose slots 1..k+1 all passed
     plain_cycles: int = 0  # cycles the adaptive controller kept plain
-    reasons: dict[str, int] = field(default_factory=dict)  # the controller's reasons, by kind, counted
+    reasons: dict[str, int] = field(default_factory=dict)  # cycles by Step kind (plain, draft, probe)
 
     @property
     def n_tokens(self) -> int:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from dflash_gguf.train.prompts import Prompt
 
+from dflash_gguf.steps import StepKind
 from dflash_gguf.target import default_threads
 
 from . import peers as peer_runs
@@ -89,11 +90,11 @@ def timed_generation(session, messages: list[dict], mode: str, repeat: int, conf
     for step in steps:
         now = time.perf_counter()
         tokens.extend(step.tokens)
-        if step.reason == "prefill":
+        if step.kind is StepKind.PREFILL:
             first = now
             g.prefill_s = step.verify_s
             g.ttft_s = now - start
-        elif step.block_size > 0:
+        elif step.kind is not StepKind.CONTEXT_FULL:
             g.cycles += 1
             g.draft_s += step.draft_s
             g.verify_s += step.verify_s
@@ -105,8 +106,7 @@ def timed_generation(session, messages: list[dict], mode: str, repeat: int, conf
 
 
 def _count_cycle(g: Generation, step) -> None:
-    kind = step.reason.split(":", 1)[0].split(" ", 1)[0]
-    g.reasons[kind] = g.reasons.get(kind, 0) + 1
+    g.reasons[step.kind.value] = g.reasons.get(step.kind.value, 0) + 1
     if step.n_drafted == 0:
         g.plain_cycles += 1
         return
