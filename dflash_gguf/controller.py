@@ -403,6 +403,7 @@ def calibrate(
     a larger one did. Where rolling back is more than a KV truncation, its cost is measured too.
     """
     from .memory import KVTruncation
+    from .timing import time_batch
 
     if budget_s <= 0.0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
@@ -417,14 +418,9 @@ def calibrate(
     rollback: dict[int, float] = {}
 
     def time_verify(n: int) -> float:
-        start = time.perf_counter()
-        memory.before_verify(p0, n)
-        target.decode([token] * n, p0, logits=True)
-        seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        memory.keep(p0, [token] * n, 0)
-        rollback[n] = min(time.perf_counter() - start, rollback.get(n, math.inf))
-        return seconds
+        timing = time_batch(target, [token] * n, p0, memory)
+        rollback[n] = min(timing.rollback_s, rollback.get(n, math.inf))
+        return timing.wall_s
 
     def time_draft(n: int) -> float:
         memory.before_verify(p0, 1)

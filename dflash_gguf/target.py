@@ -81,6 +81,7 @@ def new_context(
     n_threads: int | None = None,
     flash_attn: bool = False,
     ctx_other: capi.llama_context_p | None = None,
+    n_rs_seq: int = 0,
 ) -> capi.llama_context_p:
     """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph.
 
@@ -91,6 +92,8 @@ def new_context(
             raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
     if n_seq_max > LLAMA_MAX_SEQ:
         raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {n_seq_max}")
+    if not isinstance(n_rs_seq, int) or isinstance(n_rs_seq, bool) or n_rs_seq < 0:
+        raise ValueError(f"n_rs_seq must be an integer >= 0, got {n_rs_seq!r}")
     threads = default_threads() if n_threads is None else n_threads
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
@@ -105,10 +108,30 @@ def new_context(
     params.flash_attn_type = capi.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else capi.LLAMA_FLASH_ATTN_TYPE_DISABLED
     if ctx_other is not None:
         params.ctx_other = ctx_other
+    params.n_rs_seq = n_rs_seq  # recurrent-state snapshots per sequence; libllama clamps it to 0 where unsupported
     ctx = capi.llama_init_from_model(model, params)
     if not ctx:
         raise RuntimeError(f"libllama could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max})")
     return ctx
+
+
+def quantize(src: Path, dst: Path, ftype: int, *, n_threads: int = 2) -> None:
+    """llama_model_quantize src -> dst (a llama_ftype), keeping the token embedding / tied LM head at Q8_0."""
+    init_backend()
+    params = capi.llama_model_quantize_default_params()
+    params.nthread = n_threads
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.token_embedding_type = capi.GGML_TYPE_Q8_0
+    params.output_tensor_type = capi.GGML_TYPE_Q8_0
+    rc = capi.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({Path(src).name}) failed with code {rc}")
+
+
+def system_info() -> str:
+    """The backends and CPU features the loaded libllama reports."""
+    return capi.llama_print_system_info().decode(errors="replace").strip()
 
 
 def meta_str(model: capi.llama_model_p, key: str) -> str | None:
@@ -202,10 +225,12 @@ class Target(NativeResource):
         self.n_seq_max: int = capi.llama_n_seq_max(ctx)
         self.architecture: str = meta_str(model, Keys.ARCHITECTURE) or ""
         self.recurrent: bool = bool(capi.llama_model_is_recurrent(model) or capi.llama_model_is_hybrid(model))
+        self.n_rs_seq: int = int(capi.llama_n_rs_seq(ctx))  # snapshots libllama really keeps (0: none)
         self._layers: list[int] = []
         self._fingerprint: str | None = None
         self._features_ready = False
         self._n_last = 0
+        self.decode_count = 0  # successful llama_decode calls: memory.py guards its rollbacks with it
         self._out_index = np.full(self.n_batch, -1, dtype=np.int64)
         self._n_outputs = 0
         self._init_batch()
@@ -242,8 +267,12 @@ class Target(NativeResource):
         n_threads: int | None = None,
         flash_attn: bool = True,
         verbose: bool = False,
+        n_rs_seq: int = 0,
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both.
+
+        n_rs_seq: recurrent-state snapshots per sequence, so hybrid targets can roll back that many
+        tokens (memory.rs_seq_for sizes it); ignored by attention-only targets.
 
         Flash attention is on by default: with it libllama's batched and single-token decodes give
         bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
@@ -252,7 +281,8 @@ class Target(NativeResource):
         model = load_model(path, n_gpu_layers=n_gpu_layers)
         try:
             ctx = new_context(
-                model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn
+                model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn,
+                n_rs_seq=n_rs_seq,
             )
         except BaseException:
             capi.llama_model_free(model)
@@ -364,6 +394,7 @@ class Target(NativeResource):
             self._n_outputs = 0
             raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, <-1: fatal)")
         self._n_last = n
+        self.decode_count += 1
         self._out_index[:n] = np.where(out, np.cumsum(out) - 1, -1)
         self._n_outputs = int(out.sum())
         self._features_ready = bool(self._layers)
@@ -506,6 +537,7 @@ class Target(NativeResource):
                 n_seq_max=self.n_seq_max,
                 n_threads=capi.llama_n_threads(self._ctx),
                 flash_attn=self.flash_attn,
+                n_rs_seq=self.n_rs_seq,
             )
         except BaseException:
             shared.release()

@@ -16,7 +16,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from llama_cpp import llama_cpp as capi
 
 from dflash_gguf.bench.kernels import context_tokens, prepare_variants, time_batch
 from dflash_gguf.defaults import embedded_target
@@ -45,7 +44,7 @@ def main() -> None:
                 order = threads if rep % 2 else threads[::-1]
                 for name, target in targets.items():
                     for n_threads in order:
-                        capi.llama_set_n_threads(target.ctx, n_threads, n_threads)
+                        target.set_threads(n_threads)
                         for n in SIZES:
                             wall, _ = time_batch(target, context, n)
                             if rep:

@@ -18,7 +18,8 @@ import llama_cpp
 import numpy as np
 
 from dflash_gguf.convert.writer import atomic_output
-from dflash_gguf.target import Target, check_gguf_file, init_backend
+from dflash_gguf.target import Target, check_gguf_file, quantize, system_info
+from dflash_gguf.timing import time_batch as timing_batch
 
 # llama_ftype values of the requantizations compared (llama.h enum llama_ftype)
 REQUANT_FTYPES = {"Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
@@ -33,17 +34,8 @@ def requantize(src: Path, dst: Path, quant: str, *, n_threads: int = 2) -> Path:
     if quant not in REQUANT_FTYPES:
         raise ValueError(f"quantization must be one of {', '.join(REQUANT_FTYPES)}, got {quant!r}")
     src = check_gguf_file(src)
-    init_backend()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.nthread = n_threads
-    params.ftype = REQUANT_FTYPES[quant]
-    params.allow_requantize = True
-    params.token_embedding_type = llama_cpp.GGML_TYPE_Q8_0
-    params.output_tensor_type = llama_cpp.GGML_TYPE_Q8_0
     with atomic_output(dst, force=True) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src.name} -> {quant}) failed with code {rc}")
+        quantize(src, tmp, REQUANT_FTYPES[quant], n_threads=n_threads)
     return dst
 
 
@@ -170,9 +162,9 @@ def measure(
         plain_generation(
             variants, list(results.values()), max_tokens=generate_tokens, repeats=rounds, n_threads=n_threads
         )
-    system_info = llama_cpp.llama_print_system_info().decode()
+    info = system_info()
     return KernelReport(
-        list(results.values()), sizes, repeats, n_threads, flash_attn, system_info, os.getloadavg(),
+        list(results.values()), sizes, repeats, n_threads, flash_attn, info, os.getloadavg(),
         flip_agreement, drafter_ms,
     )
 
@@ -279,12 +271,8 @@ def context_tokens(target: Target) -> list[int]:
 
 def time_batch(target: Target, context: list[int], n: int) -> tuple[float, float]:
     """(wall, process CPU) seconds of one decode of n tokens after the context, then rolled back."""
-    tokens = [context[i % len(context)] for i in range(n)]
-    start, start_cpu = time.perf_counter(), time.process_time()
-    target.decode(tokens, len(context), logits=True)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-    target.remove(0, len(context), -1)
-    return seconds, cpu
+    timing = timing_batch(target, [context[i % len(context)] for i in range(n)], len(context))
+    return timing.wall_s, timing.cpu_s
 
 
 def _argmax_agreement(targets: dict[str, Target], results: dict[str, VariantCosts]) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import llama_cpp
 
+from dflash_gguf.target import system_info
+
 
 def cpu_model() -> str:
     try:
@@ -35,14 +37,14 @@ def ggml_version() -> str | None:
 
 
 def machine_info(n_threads: int) -> dict:
-    system_info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    info = system_info()
     return {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "n_threads": n_threads,
-        "backend": backends(system_info),
-        "system_info": system_info,
+        "backend": backends(info),
+        "system_info": info,
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
         "ggml": ggml_version(),
         # the installed wheel records no llama.cpp commit; each llama-cpp-python release vendors one

@@ -1,0 +1,29 @@
+"""One way to time a target batch, shared by the controller's calibration and the benchmark's kernel sweep."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .memory import KVTruncation, TargetMemory
+from .target import Target
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    wall_s: float  # the decode, every row with logits (as verification needs)
+    cpu_s: float  # process CPU time of the decode: steadier than wall time on a shared machine at one thread
+    rollback_s: float  # rolling the whole batch back, as a rejected verify would
+
+
+def time_batch(target: Target, tokens: Sequence[int], pos: int, memory: TargetMemory | None = None) -> BatchTiming:
+    """Decode `tokens` at `pos` as a verify batch, then roll it back: the cache is left as it was."""
+    memory = memory or KVTruncation(target)
+    memory.before_verify(pos, len(tokens))
+    start, start_cpu = time.perf_counter(), time.process_time()
+    target.decode(tokens, pos, logits=True)
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    start = time.perf_counter()
+    memory.keep(pos, tokens, 0)
+    return BatchTiming(wall, cpu, time.perf_counter() - start)
