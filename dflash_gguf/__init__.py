@@ -1,9 +1,13 @@
 """DFlash block-diffusion speculative decoding for llama.cpp GGUF models."""
 
-from .decoding import Step
 from .drafter import Drafter, PairingError
 from .sampling import SamplingParams
-from .session import GenerationStats, Result, Session
+from .session import Result, Session, SessionBusyError, SessionClosedError
+from .stats import GenerationStats
+from .steps import Step, StepKind, TokenSource
 from .target import Target
 
-__all__ = ["Drafter", "GenerationStats", "PairingError", "Result", "SamplingParams", "Session", "Step", "Target"]
+__all__ = [
+    "Drafter", "GenerationStats", "PairingError", "Result", "SamplingParams", "Session", "SessionBusyError",
+    "SessionClosedError", "Step", "StepKind", "Target", "TokenSource",
+]
