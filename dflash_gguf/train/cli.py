@@ -15,7 +15,7 @@ from ..cli_parser import OneLineParser
 from .config import TrainConfig
 from .errors import TrainError
 
-STAGES = ("all", "data", "train", "export", "tau")
+STAGES = ("all", "data", "train", "export", "tau", "archive")
 TRAIN_EXTRA = ("torch", "safetensors", "transformers")
 
 
@@ -60,13 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy responses")
     g.add_argument("--threads", type=int, default=d.threads)
     g.add_argument("--no-flash-attn", dest="flash_attn", action="store_false", help="target decodes without flash attention")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="target logits kept per response token for soft labels (0 = none)")
+    g.add_argument("--from-archive", type=Path, help="data stage: rebuild the feature caches from this token archive by prefill")
+    g.add_argument("--archive", type=Path, help="archive stage: where to write the token archive (default: OUT/tokens.npz)")
+    g.add_argument("--prefill-batch", type=int, default=d.prefill_batch, help="rows per prefill decode (--from-archive)")
     g = p.add_argument_group("model")
+    g.add_argument("--kind", choices=("dflash", "dflash2", "dspark"), default=d.kind, help="drafter kind (default: dflash)")
     g.add_argument("--draft-layers", type=int, default=d.draft_layers)
     g.add_argument("--feature-layers", type=int, default=d.feature_layers, help="number of target layers read")
     g.add_argument("--target-layer-ids", type=_ints, help="HF target layer ids (layer outputs), e.g. 1,8,14,20,27")
     g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="reduced draft vocabulary size; 0 = full")
+    g.add_argument("--draft-vocab", type=int, help=f"reduced draft vocabulary size; 0 = full (default: {d.draft_vocab}; full for dflash2)")
     g.add_argument("--mask-token-id", type=int, help="default: an unused control token of the target")
+    g.add_argument("--init-from-target", action="store_true", help="draft layers from the target's top layers, final norm from its output norm")
+    g.add_argument("--selector-rank", type=int, default=d.selector_rank, help="dflash2: rank of the path selector")
+    g.add_argument("--markov-rank", type=int, default=d.markov_rank, help="dspark: rank of the Markov head")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=d.steps)
     g.add_argument("--lr", type=float, default=d.lr)
@@ -74,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-sequences", type=int, default=d.batch_sequences)
     g.add_argument("--blocks", type=int, default=d.blocks_per_sequence, help="blocks drawn per sequence")
     g.add_argument("--gamma", type=float, help="loss decay over block slots (default: 7 for block 16)")
+    g.add_argument("--soft-labels", type=float, default=d.soft_labels, help="weight of the soft cross-entropy on the target's top-k (0-1)")
     g.add_argument("--eval-every", type=int, default=d.eval_every)
     g.add_argument("--save-every", type=int, default=d.save_every)
     g.add_argument("--seed", type=int, default=d.seed)
@@ -95,8 +104,11 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         max_prompts=a.max_prompts, eval_prompts_per_category=a.eval_prompts,
         generate_minutes=a.generate_minutes, max_new_tokens=a.max_new_tokens, max_seq_len=a.max_seq_len,
         parallel=a.parallel, temperature=a.temperature, threads=a.threads, flash_attn=a.flash_attn,
-        draft_layers=a.draft_layers, feature_layers=a.feature_layers, target_layer_ids=a.target_layer_ids,
-        block_size=a.block_size, draft_vocab=a.draft_vocab or None, mask_token_id=a.mask_token_id,
+        top_k=a.top_k, from_archive=a.from_archive, archive=a.archive, prefill_batch=a.prefill_batch,
+        kind=a.kind, draft_layers=a.draft_layers, feature_layers=a.feature_layers, target_layer_ids=a.target_layer_ids,
+        block_size=a.block_size, mask_token_id=a.mask_token_id,
+        draft_vocab=(None if a.kind == "dflash2" else TrainConfig.draft_vocab) if a.draft_vocab is None else (a.draft_vocab or None),
+        init_from_target=a.init_from_target, selector_rank=a.selector_rank, markov_rank=a.markov_rank, soft_labels=a.soft_labels,
         steps=a.steps, lr=a.lr, warmup=a.warmup, batch_sequences=a.batch_sequences,
         blocks_per_sequence=a.blocks, gamma=a.gamma, eval_every=a.eval_every, save_every=a.save_every,
         seed=a.seed, device=a.device, dtype=a.dtype, gguf=a.gguf, outtype=a.outtype,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .errors import TrainError
 
+KINDS = ("dflash", "dflash2", "dspark")
+
 
 @dataclass
 class TrainConfig:
@@ -28,13 +30,30 @@ class TrainConfig:
     temperature: float = 0.0
     threads: int = 2
     flash_attn: bool = True
+    top_k: int = 16  # target logits kept per response token for soft labels (0: none)
+    from_archive: Path | None = None  # data stage: rebuild the caches from this token archive by prefill
+    archive: Path | None = None  # archive stage output (None: OUT/tokens.npz)
+    prefill_batch: int = 512  # rows per prefill decode when rebuilding from an archive
     # model
+    kind: str = "dflash"  # dflash | dflash2 | dspark
     draft_layers: int = 1
     feature_layers: int = 5  # how many target layers the drafter reads
     target_layer_ids: list[int] | None = None  # HF ids (layer outputs); None: spread over the target
     block_size: int = 16
     draft_vocab: int | None = 8192  # None: the full target vocabulary
     mask_token_id: int | None = None
+    init_from_target: bool = False  # draft layers from the target's top layers, final norm from its output norm
+    # DFlash 2
+    conv_kernel_size: int = 2  # taps of the grouped dynamic convolutions
+    conv_group_size: int = 64  # channels per convolution group
+    selector_rank: int = 64
+    selector_top_k: int = 16
+    selector_weight: float = 1.0  # weight of the path-selector loss
+    # DSpark
+    markov_rank: int = 64
+    ce_weight: float | None = None  # DSpark: cross-entropy weight (None: 0.1, DeepSpec's)
+    l1_weight: float = 0.9  # DSpark: total-variation weight against the target distribution
+    confidence_weight: float = 1.0  # DSpark: confidence-head BCE weight
     # training
     steps: int = 2000
     lr: float = 6e-4
@@ -43,6 +62,7 @@ class TrainConfig:
     batch_sequences: int = 4
     blocks_per_sequence: int = 32
     gamma: float | None = None  # None: the paper's value for the block size
+    soft_labels: float = 0.0  # weight of the soft (target top-k) cross-entropy; 1-w stays on the hard label
     eval_every: int = 200
     save_every: int = 100
     seed: int = 0
@@ -78,8 +98,25 @@ class TrainConfig:
             raise TrainError(f"device must be auto, cpu, cuda or mps, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise TrainError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kind not in KINDS:
+            raise TrainError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "dflash2" and self.draft_vocab is not None:
+            raise TrainError("--kind dflash2 needs the full vocabulary (--draft-vocab 0): its path selector spans the target vocabulary")
+        if not 0.0 <= self.soft_labels <= 1.0:
+            raise TrainError(f"soft_labels must be in [0, 1], got {self.soft_labels}")
+        if self.soft_labels > 0 and self.top_k < 1:
+            raise TrainError("soft labels need the target's top-k logits in the cache (--top-k >= 1)")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank", "prefill_batch"):
+            if getattr(self, name) < 1:
+                raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k < 0:
+            raise TrainError(f"top_k must be >= 0, got {self.top_k}")
         if self.outtype not in ("f32", "f16", "bf16", "q8_0"):
             raise TrainError(f"outtype must be f32, f16, bf16 or q8_0, got {self.outtype!r}")
+
+    @property
+    def archive_path(self) -> Path:
+        return Path(self.archive) if self.archive else Path(self.out) / "tokens.npz"
 
     @property
     def gguf_path(self) -> Path:

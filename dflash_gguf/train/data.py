@@ -39,6 +39,7 @@ class GenerationSettings:
     temperature: float = 0.0
     seed: int = 0
     shard_sequences: int = 64
+    top_k: int = 16  # target logits kept per response token (ids + values) for soft labels; 0 = none
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Manifest:
     shards: list[dict] = field(default_factory=list)  # {"index", "n_sequences", "n_tokens"}
     sequences: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # prompt ids that did not fit max_seq_len
+    top_k: int = 0  # target top-k logits stored per feature row (0: none; caches made before they existed)
 
     @property
     def row_bytes(self) -> int:
@@ -112,7 +114,7 @@ class FeatureCache:
                 )
             return cache
         directory.mkdir(parents=True, exist_ok=True)
-        cache = cls(directory, Manifest(CACHE_VERSION, fingerprint, list(layers), n_embd, asdict(settings)))
+        cache = cls(directory, Manifest(CACHE_VERSION, fingerprint, list(layers), n_embd, asdict(settings), top_k=settings.top_k))
         cache._write_manifest()
         return cache
 
@@ -139,6 +141,10 @@ class FeatureCache:
         stem = self.directory / f"shard_{index:05d}"
         return Path(f"{stem}.tokens.npy"), Path(f"{stem}.features.npy")
 
+    def _topk_paths(self, index: int) -> tuple[Path, Path]:
+        stem = self.directory / f"shard_{index:05d}"
+        return Path(f"{stem}.topk_ids.npy"), Path(f"{stem}.topk_logits.npy")
+
     @property
     def done_ids(self) -> set[str]:
         return {s["id"] for s in self.manifest.sequences} | set(self.manifest.skipped)
@@ -151,24 +157,39 @@ class FeatureCache:
     def n_tokens(self) -> int:
         return sum(s["n_tokens"] for s in self.manifest.sequences)
 
-    def add_shard(self, finished: list[tuple[Prompt, np.ndarray, np.ndarray, int]], skipped: Iterable[str] = ()) -> None:
-        """Write (prompt, tokens, features, response_start) sequences as one shard, then list them."""
+    def add_shard(self, finished: list[tuple], skipped: Iterable[str] = ()) -> None:
+        """Write (prompt, tokens, features, response_start[, (topk_ids, topk_logits)]) sequences as
+        one shard, then list them. A cache with `top_k` stores, per feature row, the target's top-k
+        next-token ids (int32, -1 where the row had no logits) and logits (fp16)."""
         if not finished:
             self.manifest.skipped.extend(skipped)
             self._write_manifest()
             return
         index = len(self.manifest.shards)
         tok_path, feat_path = self._shard_paths(index)
-        tokens = np.concatenate([t for _, t, _, _ in finished]).astype(np.int32)
-        feats = np.concatenate([f for _, _, f, _ in finished]).astype(FEATURE_DTYPE)
-        check_disk(self.directory, tokens.nbytes + feats.nbytes)
-        for path, arr in ((tok_path, tokens), (feat_path, feats)):
+        tokens = np.concatenate([item[1] for item in finished]).astype(np.int32)
+        feats = np.concatenate([item[2] for item in finished]).astype(FEATURE_DTYPE)
+        arrays = [(tok_path, tokens), (feat_path, feats)]
+        k = self.manifest.top_k
+        if k:
+            ids, vals = [], []
+            for item in finished:
+                n_rows = len(item[2])
+                if len(item) > 4 and item[4] is not None:
+                    ids.append(np.asarray(item[4][0], dtype=np.int32).reshape(n_rows, k))
+                    vals.append(np.asarray(item[4][1], dtype=np.float16).reshape(n_rows, k))
+                else:
+                    ids.append(np.full((n_rows, k), -1, dtype=np.int32))
+                    vals.append(np.zeros((n_rows, k), dtype=np.float16))
+            arrays += list(zip(self._topk_paths(index), (np.concatenate(ids), np.concatenate(vals))))
+        check_disk(self.directory, sum(a.nbytes for _, a in arrays))
+        for path, arr in arrays:
             tmp = path.with_name(path.name + ".tmp")
             with tmp.open("wb") as f:
                 np.save(f, arr)
             tmp.replace(path)
         tok_off = feat_off = 0
-        for prompt, t, f, start in finished:
+        for prompt, t, f, start, *_ in finished:
             self.manifest.sequences.append(
                 asdict(SequenceRecord(prompt.id, prompt.category, index, tok_off, feat_off, len(t), start))
             )
@@ -187,6 +208,41 @@ class FeatureCache:
         t = np.asarray(tokens[record.token_offset : record.token_offset + record.n_tokens], dtype=np.int64)
         f = feats[record.feature_offset : record.feature_offset + record.n_features]
         return t, f
+
+    def load_topk(self, record: SequenceRecord) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids int64 (n_features, k), logits float32 (n_features, k)) of one sequence: row j is the
+        target's top-k for token j+1 (ids -1 where no logits were kept); None if the cache has none."""
+        if not self.manifest.top_k:
+            return None
+        key = ("topk", record.shard)
+        if key not in self._open:
+            ids_path, val_path = self._topk_paths(record.shard)
+            if not ids_path.is_file():
+                return None
+            self._open[key] = (np.load(ids_path, mmap_mode="r"), np.load(val_path, mmap_mode="r"))
+        ids, vals = self._open[key]
+        sl = slice(record.feature_offset, record.feature_offset + record.n_features)
+        return np.asarray(ids[sl], dtype=np.int64), np.asarray(vals[sl], dtype=np.float32)
+
+
+def top_k_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (n, k) int32, logits (n, k) fp16) of the k largest logits of each row, largest first."""
+    part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(logits, part, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1).astype(np.int32), np.take_along_axis(vals, order, axis=1).astype(np.float16)
+
+
+def _slot_topk(s: "_Slot", k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The slot's top-k rows laid out per feature row (-1 ids where no logits were read)."""
+    if not k:
+        return None
+    n_rows = len(s.tokens) - 1
+    ids = np.full((n_rows, k), -1, dtype=np.int32)
+    vals = np.zeros((n_rows, k), dtype=np.float16)
+    for r, i, v in s.topk:
+        ids[r], vals[r] = i, v
+    return ids, vals
 
 
 def check_disk(directory: Path, needed_bytes: int) -> None:
@@ -211,6 +267,7 @@ class _Slot:
     response_start: int
     features: list[np.ndarray] = field(default_factory=list)
     n_decoded: int = 0  # tokens already in the KV cache
+    topk: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)  # (feature row, ids, logits)
 
 
 def generate(
@@ -290,11 +347,15 @@ def generate(
                 s.n_decoded += n
                 row = logits[k]
                 nxt = int(np.argmax(row)) if params.greedy else sample_token(probabilities(row, params), rng)
+                if settings.top_k:
+                    ids, vals = top_k_rows(row[None], settings.top_k)
+                    s.topk.append((s.n_decoded - 1, ids[0], vals[0]))
                 s.tokens.append(nxt)
                 n_generated += 1
                 n_response = len(s.tokens) - s.response_start
                 if target.is_eog(nxt) or n_response >= settings.max_new_tokens or len(s.tokens) >= settings.max_seq_len:
-                    finished.append((s.prompt, np.asarray(s.tokens, dtype=np.int32), np.concatenate(s.features), s.response_start))
+                    finished.append((s.prompt, np.asarray(s.tokens, dtype=np.int32), np.concatenate(s.features), s.response_start,
+                                     _slot_topk(s, settings.top_k)))
                     target.remove(i, 0, -1)
                     slots[i] = None
                     refill(i)

@@ -39,11 +39,20 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     draft_vocab_size: int | None = None  # None = the full target vocabulary
     extra: dict = field(default_factory=dict)  # provenance recorded in config.json
+    kind: str = "dflash"  # dflash | dflash2 | dspark
+    # DFlash 2 (z-lab `DFlash2DraftModel`)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 64
+    selector_rank: int = 64
+    selector_top_k: int = 16
+    # DSpark (DeepSpec vanilla Markov head + confidence head)
+    markov_rank: int = 64
 
     def to_hf(self) -> dict:
         """config.json that `dflash.model.DFlashDraftModel.from_pretrained` reads (a Qwen3Config)."""
+        arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}[self.kind]
         cfg = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [arch],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -73,12 +82,26 @@ class DrafterConfig:
         }
         if self.draft_vocab_size is not None:
             cfg["draft_vocab_size"] = self.draft_vocab_size
+        if self.kind == "dflash2":
+            cfg["dflash_config"].update(
+                conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
+                selector_rank=self.selector_rank, selector_top_k=self.selector_top_k,
+            )
+        if self.kind == "dspark":
+            # the fields DeepSpec's config requires and upstream's DSparkModel converter reads
+            cfg.update(
+                markov_rank=self.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
+                confidence_head_with_markov=True, sample_from_anchor=True, num_anchors=512,
+                target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id,
+            )
         return cfg
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
         dcfg = cfg.get("dflash_config", {})
         rope = cfg.get("rope_parameters") or {}
+        arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
+        kind = {"DFlash2DraftModel": "dflash2", "DSparkDraftModel": "dspark"}.get(arch, "dflash")
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -96,6 +119,12 @@ class DrafterConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             draft_vocab_size=cfg.get("draft_vocab_size"),
             extra=cfg.get("dflash_gguf", {}),
+            kind=kind,
+            conv_kernel_size=int(dcfg.get("conv_kernel_size", 2)),
+            conv_group_size=int(dcfg.get("conv_group_size", 64)),
+            selector_rank=int(dcfg.get("selector_rank", 64)),
+            selector_top_k=int(dcfg.get("selector_top_k", 16)),
+            markov_rank=int(cfg.get("markov_rank", 64)),
         )
 
 
@@ -162,6 +191,101 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution, wrapped around one sublayer.
+
+    Along the slots of each block (never across blocks), tap `o` mixes the value `o` slots back
+    with a static per-channel weight `base_kernel[i, o]` plus a dynamic per-group weight that a
+    linear map reads off the sublayer's (normed) input. `prepare` convolves the sublayer input
+    (i = 0) and returns the dynamic weights for `finish`, which convolves its output (i = 1).
+    The static taps start as the identity, so a fresh DFlash 2 layer is a DFlash layer.
+    """
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x (b, n, h) in blocks of `block_size`; dynamic (b, n, taps, groups); base (taps, h)."""
+        b, n, h = x.shape
+        B, G = self.block_size, self.groups
+        xb = x.reshape(b, n // B, B, G, self.group_size)
+        dyn = dynamic.reshape(b, n // B, B, self.kernel_size, G, 1)
+        out = torch.zeros_like(xb)
+        for o in range(self.kernel_size):
+            shifted = xb if o == 0 else F.pad(xb[:, :, : B - o], (0, 0, 0, 0, o, 0))
+            w = base[o].reshape(G, self.group_size).to(x.dtype) + dyn[:, :, :, o]
+            out = out + w * shifted
+        return out.reshape(b, n, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dyn = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's low-rank path selector over the top-k candidates of each slot.
+
+    A candidate `c` after predecessor `p` scores `logit[c] + <P[p] * W h, S[c]>`; a draft is the
+    greedy chain of picks from the block's anchor token on.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """(..., k) scores of `candidates` (..., k) given `predecessor` (...) at slots `hidden` (..., h)."""
+        unary = logits.gather(-1, candidates)
+        q = self.predecessor_codebook(predecessor) * self.hidden_projection(hidden)
+        return unary + (q.unsqueeze(-2) * self.successor_codebook(candidates)).sum(-1)
+
+    def greedy_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """(n_blocks, m) picks for drafted slots hidden (n_blocks, m, h), logits (n_blocks, m, V), anchor (n_blocks,)."""
+        candidates = logits.topk(self.top_k, dim=-1).indices
+        prev, path = anchor, []
+        for j in range(hidden.shape[1]):
+            scores = self.pair_scores(hidden[:, j], logits[:, j], prev, candidates[:, j])
+            prev = candidates[:, j].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            path.append(prev)
+        return torch.stack(path, dim=1)
+
+
+class MarkovHead(nn.Module):
+    """DSpark's vanilla Markov head: a low-rank bias on the next token's logits from the previous
+    token, `W2 W1[prev]`, chained through the block (DeepSpec `VanillaMarkov`)."""
+
+    def __init__(self, n_vocab: int, n_draft: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(n_vocab, rank)
+        self.markov_w2 = nn.Linear(rank, n_draft, bias=False)
+
+    def bias(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: a logit of each slot's acceptance from [hidden ; W1[prev]]."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -169,11 +293,22 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.kind == "dflash2":
+            args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv, self.mlp_conv = BlockConv(*args), BlockConv(*args)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, x_pos, ctx_pos, mask):
         # as in z-lab's layer: the context features enter K/V un-normalised by input_layernorm
-        x = x + self.self_attn(self.input_layernorm(x), ctx, x_pos, ctx_pos, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, ctx, x_pos, ctx_pos, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, dyn = self.attention_conv.prepare(h)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, x_pos, ctx_pos, mask), dyn)
+        h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), dyn)
 
 
 class Drafter(nn.Module):
@@ -199,13 +334,22 @@ class Drafter(nn.Module):
         else:
             self.register_buffer("d2t", d2t.long(), persistent=False)
             self.register_buffer("lm_head_weight", head[d2t.long()].clone(), persistent=False)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.kind == "dflash2" else None
+        if cfg.kind == "dspark":
+            n_draft = cfg.vocab_size if d2t is None else len(d2t)
+            self.markov_head = MarkovHead(cfg.vocab_size, n_draft, cfg.markov_rank)
+            self.confidence_head = ConfidenceHead(h + cfg.markov_rank)
+        else:
+            self.markov_head = self.confidence_head = None
         self._init_weights()
 
     def _init_weights(self) -> None:
-        """Normal(0, 0.02) for linear layers, as Qwen3's `initializer_range`."""
+        """Normal(0, 0.02) for linear and embedding layers, as Qwen3's `initializer_range`; zero biases."""
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
 
     def hidden(self, features: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Final-normed hidden states of the block slots (b, q, h).
@@ -222,6 +366,31 @@ class Drafter(nn.Module):
         """Logits over the draft vocabulary (its rows are `d2t`, or the target vocabulary)."""
         return hidden @ self.lm_head_weight.T
 
+    def step_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits of slots whose previous token (target id) is `prev`: DSpark adds its Markov bias."""
+        logits = self.logits(hidden)
+        return logits if self.markov_head is None else logits + self.markov_head.bias(prev)
+
+    def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark: acceptance logit of each slot (sigmoid = predicted acceptance)."""
+        return self.confidence_head(torch.cat([hidden, self.markov_head.markov_w1(prev)], dim=-1))
+
+    def draft(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy draft of each block as the runtime makes it: (n_blocks, m) draft rows (target ids
+        for full-vocabulary drafters) from the hidden states of the predicting slots (n_blocks, m, h)
+        and the anchor tokens (n_blocks,). DFlash: argmax per slot; DFlash 2: the selector's path;
+        DSpark: argmax of each slot with the Markov bias of the previous pick."""
+        if self.candidate_selector is not None:
+            return self.candidate_selector.greedy_path(hidden, self.logits(hidden), anchor)
+        if self.markov_head is None:
+            return self.logits(hidden).argmax(-1)
+        prev, picks = anchor, []
+        for j in range(hidden.shape[1]):
+            row = self.step_logits(hidden[:, j], prev).argmax(-1)
+            picks.append(row)
+            prev = row if self.d2t is None else self.d2t[row]
+        return torch.stack(picks, dim=1)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights a z-lab checkpoint holds (frozen target tensors excluded)."""
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
@@ -237,7 +406,7 @@ class Drafter(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = self.trainable_state()
+        tensors = state_to_checkpoint(self.trainable_state())
         if self.d2t is not None:
             tensors["lm_head.weight"] = self.lm_head_weight.contiguous()
             tensors["d2t"] = (self.d2t - torch.arange(len(self.d2t))).contiguous()
@@ -259,7 +428,7 @@ class Drafter(nn.Module):
 
         directory = Path(directory)
         cfg = DrafterConfig.from_hf(json.loads((directory / CHECKPOINT_CONFIG).read_text()))
-        tensors = load_file(str(directory / CHECKPOINT_WEIGHTS))
+        tensors = checkpoint_to_state(load_file(str(directory / CHECKPOINT_WEIGHTS)))
         d2t = tensors.pop("d2t", None)
         tensors.pop("t2d", None)
         own_head = tensors.pop("lm_head.weight", None)
@@ -273,3 +442,16 @@ class Drafter(nn.Module):
 def checkpoint_d2t(offsets: torch.Tensor) -> torch.Tensor:
     """Absolute target ids from checkpoint `d2t` offsets (row i maps to `i + offsets[i]`)."""
     return offsets.long() + torch.arange(len(offsets))
+
+
+# z-lab's DFlash 2 checkpoints name the selector codebooks without `.weight` (its from_pretrained
+# maps them onto the Embedding weights); the torch modules here carry the suffix.
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def state_to_checkpoint(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {(k.removesuffix(".weight") if k.removesuffix(".weight") in _CODEBOOKS else k): v for k, v in tensors.items()}
+
+
+def checkpoint_to_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {(k + ".weight" if k in _CODEBOOKS else k): v for k, v in tensors.items()}

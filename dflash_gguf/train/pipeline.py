@@ -97,7 +97,7 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
     hold = {p.id for p in load_prompts(cfg.hold_out)} if cfg.hold_out else set()
     settings = GenerationSettings(
         max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len, n_parallel=cfg.parallel,
-        n_threads=cfg.threads, temperature=cfg.temperature, seed=cfg.seed,
+        n_threads=cfg.threads, temperature=cfg.temperature, seed=cfg.seed, top_k=cfg.top_k,
     )
     gguf_layers = hf_layer_to_gguf(layer_ids)
     out = Path(cfg.out)
@@ -114,6 +114,9 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
     jobs = [(EVAL_DATA, eval_prompts), (TRAIN_DATA, order)]
     if cfg.max_seq_len > spec.context_length:
         raise TrainError(f"max_seq_len {cfg.max_seq_len} exceeds the target's context length {spec.context_length}")
+    if cfg.from_archive is not None:
+        rebuild_from_archive(cfg, caches, progress=progress)
+        return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], train, test)
     n_todo = sum(p.id not in caches[name].done_ids for name, ps in jobs for p in ps)
     check_disk(out, estimate_cache_bytes(n_todo, settings, caches[TRAIN_DATA].manifest.row_bytes))
     if n_todo:
@@ -132,15 +135,97 @@ def prepare_data(cfg: TrainConfig, *, progress: bool = True) -> RunData:
                         continue
                     bar = tqdm(total=todo, desc=f"generate {name}", unit="seq", disable=not progress, dynamic_ncols=True)
 
-                    def report(n_seq: int, n_tok: int, seconds: float, bar=bar) -> None:
+                    last = [0, 0, 0.0]
+
+                    def report(n_seq: int, n_tok: int, seconds: float, bar=bar, last=last) -> None:
+                        last[:] = [n_seq, n_tok, seconds]
                         bar.set_postfix(tok_s=f"{n_tok / max(seconds, 1e-9):.0f}", tokens=n_tok, refresh=False)
                         bar.update(n_seq - bar.n)
 
-                    generate(target, cache, ps, settings, deadline=deadline, progress=report)
-                    bar.close()
+                    try:
+                        generate(target, cache, ps, settings, deadline=deadline, progress=report)
+                    finally:
+                        bar.close()
+                        if last[2] > 0:
+                            _log_rate(cfg, {"stage": "generate", "cache": name, "sequences": last[0], "tokens": last[1],
+                                            "seconds": round(last[2], 2), "tokens_per_s": round(last[1] / last[2], 1),
+                                            "threads": cfg.threads, "parallel": cfg.parallel})
         finally:
             target.close()
     return RunData(spec, layer_ids, caches[TRAIN_DATA], caches[EVAL_DATA], train, test)
+
+
+def rebuild_from_archive(cfg: TrainConfig, caches: dict[str, FeatureCache], *, progress: bool = True) -> None:
+    """Fill the caches from the token archive `cfg.from_archive` by batched prefill (no generation)."""
+    from ..target import Target
+    from .archive import read_archive, rebuild
+
+    archive = read_archive(cfg.from_archive)
+    fp = caches[TRAIN_DATA].manifest.target_fingerprint
+    if archive.provenance.get("target_fingerprint") != fp:
+        raise TrainError(
+            f"{cfg.from_archive}: the archive was made by target {archive.provenance.get('target_fingerprint')}, not {fp}"
+        )
+    todo = {name: [s for s in archive.split(name) if s.id not in caches[name].done_ids] for name in caches}
+    longest = max((len(s.tokens) for ss in todo.values() for s in ss), default=0)
+    if not longest:
+        return
+    n_seq = max(1, cfg.parallel)
+    target = Target.open(
+        cfg.target, n_ctx=n_seq * max(longest, 64), n_batch=cfg.prefill_batch, n_seq_max=n_seq,
+        n_threads=cfg.threads, flash_attn=cfg.flash_attn,
+    )
+    try:
+        with sigterm_as_interrupt():
+            target.capture(caches[TRAIN_DATA].manifest.target_layers)
+            for name in (EVAL_DATA, TRAIN_DATA):
+                if not todo[name]:
+                    continue
+                bar = tqdm(total=len(todo[name]), desc=f"prefill {name}", unit="seq", disable=not progress, dynamic_ncols=True)
+
+                def report(n_seq: int, n_rows: int, seconds: float, bar=bar) -> None:
+                    bar.set_postfix(tok_s=f"{n_rows / max(seconds, 1e-9):.0f}", refresh=False)
+                    bar.update(n_seq - bar.n)
+
+                n, rows, secs = rebuild(target, caches[name], todo[name], progress=report)
+                bar.close()
+                _log_rate(cfg, {"stage": "prefill", "cache": name, "sequences": n, "rows": rows, "seconds": round(secs, 2),
+                                "rows_per_s": round(rows / max(secs, 1e-9), 1), "threads": cfg.threads, "n_batch": cfg.prefill_batch})
+    finally:
+        target.close()
+
+
+def _log_rate(cfg: TrainConfig, row: dict) -> None:
+    """Append a data-stage throughput record to OUT/data_rates.jsonl."""
+    with (Path(cfg.out) / "data_rates.jsonl").open("a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row}) + "\n")
+
+
+def write_token_archive(cfg: TrainConfig) -> Path:
+    """OUT's cached token sequences (training and held-out) as the compressed archive `cfg.archive_path`."""
+    from .archive import file_sha256, write_archive
+
+    out = Path(cfg.out)
+    caches = {name: FeatureCache.open(out / name) for name in (TRAIN_DATA, EVAL_DATA) if (out / name / "manifest.json").is_file()}
+    if not caches:
+        raise TrainError(f"no feature cache in {out}: run the data stage first")
+    split_info = json.loads((out / SPLIT_FILE).read_text()) if (out / SPLIT_FILE).is_file() else {}
+    provenance = {
+        "target_file": Path(cfg.target).name,
+        "target_sha256": file_sha256(cfg.target),
+        "prompts_file": Path(cfg.prompts).name,
+        "prompts_sha256": file_sha256(cfg.prompts),
+        "hold_out_file": Path(cfg.hold_out).name if cfg.hold_out else None,
+        "split_seed": split_info.get("seed", cfg.seed),
+        "held_out_ids": split_info.get("test", {}),
+        "generation": "greedy self-distillation: the target answered each prompt through its chat template" if cfg.temperature == 0
+        else f"sampled self-distillation at temperature {cfg.temperature}",
+        "made_by": "dflash-train --stage archive",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path = cfg.archive_path
+    write_archive(caches, path, provenance)
+    return path
 
 
 def load_data(cfg: TrainConfig) -> RunData:
@@ -178,6 +263,10 @@ def run(cfg: TrainConfig, *, stage: str = "all", progress: bool = True) -> RunRe
             f"data: {len(data.train.records)} training sequences ({data.train.n_tokens} tokens), "
             f"{len(data.eval.records)} held-out, in {cfg.out}"
         )
+    if stage == "archive":
+        path = write_token_archive(cfg)
+        result.lines.append(f"archive: {path} ({path.stat().st_size / 1e6:.2f} MB)")
+        return result
     if stage in ("all", "train"):
         from .trainer import train
 

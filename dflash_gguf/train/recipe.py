@@ -40,14 +40,28 @@ def block_inputs(tokens: np.ndarray, anchors: np.ndarray, block_size: int, mask_
     return ids.reshape(-1), positions.reshape(-1)
 
 
-def block_labels(tokens: np.ndarray, anchors: np.ndarray, block_size: int, t2d: np.ndarray | None = None) -> np.ndarray:
-    """(n_blocks * block_size,) labels: slot k of the block at `a` is `tokens[a + k]`; slot 0 and
-    positions past the end are IGNORE. With `t2d` (target id -> draft row, -1 if absent) the labels
-    are draft rows, and tokens outside the draft vocabulary are IGNORE."""
-    pos = anchors[:, None] + np.arange(block_size, dtype=np.int64)[None, :]
+def label_shift(kind: str) -> int:
+    """Where slot k's label sits relative to `anchor + k`: DFlash and DFlash 2 label slot k with the
+    token at its own position (slot 0, the anchor, is given); DSpark's slot k predicts the token
+    after its position (DeepSpec: labels at anchor + 1 .. anchor + B, slot 0 included)."""
+    return 1 if kind == "dspark" else 0
+
+
+def label_positions(anchors: np.ndarray, block_size: int, shift: int = 0) -> np.ndarray:
+    """(n_blocks, block_size) token index each slot predicts."""
+    return anchors[:, None] + shift + np.arange(block_size, dtype=np.int64)[None, :]
+
+
+def block_labels(tokens: np.ndarray, anchors: np.ndarray, block_size: int, t2d: np.ndarray | None = None, shift: int = 0) -> np.ndarray:
+    """(n_blocks * block_size,) labels: slot k of the block at `a` is `tokens[a + k + shift]`;
+    positions past the end are IGNORE, and so is slot 0 when shift is 0 (it is the given anchor).
+    With `t2d` (target id -> draft row, -1 if absent) the labels are draft rows, and tokens outside
+    the draft vocabulary are IGNORE."""
+    pos = label_positions(anchors, block_size, shift)
     inside = pos < len(tokens)
     labels = np.where(inside, tokens[np.minimum(pos, len(tokens) - 1)], IGNORE)
-    labels[:, 0] = IGNORE
+    if shift == 0:
+        labels[:, 0] = IGNORE
     if t2d is not None:
         scored = labels != IGNORE
         mapped = np.where(scored, t2d[np.where(scored, labels, 0)], IGNORE)
@@ -55,12 +69,15 @@ def block_labels(tokens: np.ndarray, anchors: np.ndarray, block_size: int, t2d: 
     return labels.reshape(-1)
 
 
-def slot_weights(block_size: int, gamma: float) -> np.ndarray:
-    """(block_size,) loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1.
+def slot_weights(block_size: int, gamma: float, shift: int = 0) -> np.ndarray:
+    """(block_size,) loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1;
+    with shift 1 (DSpark, every slot predicts) exp(-k/gamma) for every slot, as DeepSpec weighs.
 
     Early slots matter most: a draft is accepted only up to its first miss.
     """
     k = np.arange(block_size, dtype=np.float64)
+    if shift:
+        return np.exp(-k / gamma)
     w = np.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
@@ -110,3 +127,75 @@ def expected_acceptance(slot_correct: np.ndarray) -> float:
         return math.nan
     run = np.cumprod(slot_correct.astype(np.int64), axis=1).sum(axis=1)
     return float(1.0 + run.mean())
+
+
+def soft_targets(soft_ids: torch.Tensor, soft_logits: torch.Tensor) -> torch.Tensor:
+    """(N, k) probabilities of the target's top-k (softmax over the kept entries; ids < 0 dropped).
+    A row with no kept entry is all zeros."""
+    valid = soft_ids >= 0
+    z = torch.where(valid, soft_logits.float(), torch.full_like(soft_logits.float(), -torch.inf))
+    p = torch.softmax(z, dim=-1)
+    return torch.where(valid, p, torch.zeros_like(p)).nan_to_num(0.0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, soft_ids: torch.Tensor, soft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (cross-entropy against the target's top-k distribution, row has soft targets).
+
+    logits (N, V) over the draft rows; soft_ids (N, k) draft rows or -1; soft_logits (N, k).
+    """
+    p = soft_targets(soft_ids, soft_logits)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, soft_ids.clamp_min(0))
+    return -(p * logq).sum(-1), (soft_ids >= 0).any(-1)
+
+
+def distill_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+    soft_ids: torch.Tensor | None, soft_logits: torch.Tensor | None, soft_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - w) x hard-label cross-entropy + w x soft cross-entropy on the target's top-k, each
+    slot-weighted over its scored rows; (loss, slot accuracy). w = 0 is `weighted_loss`."""
+    hard, acc = weighted_loss(logits, labels, weights)
+    if soft_weight <= 0 or soft_ids is None:
+        return hard, acc
+    ce, has = soft_cross_entropy(logits, soft_ids, soft_logits)
+    w = weights * has
+    soft = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    return (1 - soft_weight) * hard + soft_weight * soft, acc
+
+
+def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """DFlash 2 path-selector loss: slot-weighted cross-entropy over the k candidate scores (N, k)
+    for the candidate that is the true token (N,); rows whose truth is not a candidate are skipped."""
+    hit = candidates == truth[:, None]
+    ok = hit.any(-1) & (truth != IGNORE)
+    if not ok.any():
+        return scores.sum() * 0.0
+    ce = torch.nn.functional.cross_entropy(scores[ok].float(), hit[ok].float().argmax(-1), reduction="none")
+    w = weights[ok]
+    return (ce * w).sum() / w.sum().clamp_min(1e-9)
+
+
+def dspark_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, confidence: torch.Tensor,
+    target_probs: torch.Tensor, *, ce_weight: float, l1_weight: float, confidence_weight: float,
+) -> tuple[torch.Tensor, dict]:
+    """DSpark's loss as DeepSpec defines it, over scored rows (labels != IGNORE):
+
+    ce_weight x CE(label) + l1_weight x ||q - p||_1 + confidence_weight x BCE(confidence, a), where
+    q is the draft distribution, p the target's (dense over the draft rows) and a = 1 - ||q - p||_1 / 2
+    the probability that a draft from q is accepted by p (detached: the confidence head learns the
+    acceptance it observes, it does not shape the drafts). Every term is slot-weighted.
+    """
+    scored = labels != IGNORE
+    w = weights * scored
+    den = w.sum().clamp_min(1e-9)
+    safe = torch.where(scored, labels, torch.zeros_like(labels))
+    ce = torch.nn.functional.cross_entropy(logits.float(), safe, reduction="none")
+    q = torch.softmax(logits.float(), dim=-1)
+    l1 = (q - target_probs).abs().sum(-1)
+    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
+    loss = (ce_weight * (ce * w).sum() + l1_weight * (l1 * w).sum() + confidence_weight * (bce * w).sum()) / den
+    stats = {"ce": float((ce * w).sum() / den), "l1": float((l1 * w).sum() / den), "confidence_bce": float((bce * w).sum() / den),
+             "accept": float((accept * w).sum() / den)}
+    return loss, stats

@@ -25,9 +25,14 @@ from .config import TrainConfig
 from .data import FeatureCache
 from .errors import TrainError
 from .interrupts import sigterm_as_interrupt
-from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig
+from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig, checkpoint_to_state
 from .pipeline import RunData
-from .recipe import IGNORE, block_labels, default_gamma, expected_acceptance, weighted_loss
+from .recipe import soft_targets
+from .recipe import (
+    IGNORE, block_labels, default_gamma, distill_loss, dspark_loss, expected_acceptance, label_shift, selector_loss,
+    weighted_loss,
+)
+from .target_init import init_from_target
 from .target_spec import read_embedding_and_head
 from .vocab import choose_draft_vocab, coverage, prompt_token_counts, target_to_draft, token_counts
 
@@ -95,15 +100,21 @@ def build_model(cfg: TrainConfig, data: RunData, d2t: np.ndarray | None) -> Draf
         mask_token_id=spec.mask_token_id,
         max_position_embeddings=spec.context_length,
         draft_vocab_size=None if d2t is None else len(d2t),
-        extra={"target_fingerprint": spec.info.fingerprint, "mask_token": spec.mask_token_text},
+        extra={"target_fingerprint": spec.info.fingerprint, "mask_token": spec.mask_token_text,
+               "recipe": {"soft_labels": cfg.soft_labels, "init_from_target": cfg.init_from_target}},
+        kind=cfg.kind, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+        selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k, markov_rank=cfg.markov_rank,
     )
     torch.manual_seed(cfg.seed)
-    return Drafter(
+    model = Drafter(
         dcfg,
         torch.from_numpy(embed),
         None if head is embed else torch.from_numpy(head),
         None if d2t is None else torch.from_numpy(d2t),
     )
+    if cfg.init_from_target:
+        init_from_target(model, cfg.target)
+    return model
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -138,6 +149,16 @@ class Trainer:
         self.device = pick_device(cfg.device)
         self.dtype = pick_dtype(cfg.dtype, self.device)
         self.gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
+        self.shift = label_shift(cfg.kind)
+        has_topk = bool(data.train.manifest.top_k)
+        if cfg.soft_labels > 0 and not has_topk:
+            raise TrainError(
+                f"{data.train.directory}: the cache holds no target top-k logits for --soft-labels; "
+                "rebuild it with --stage data --from-archive (it stores them), or drop --soft-labels"
+            )
+        # DSpark's total-variation and confidence terms use the target distribution where the cache has it
+        self.soft = has_topk and (cfg.soft_labels > 0 or cfg.kind == "dspark")
+        self.ce_weight = cfg.ce_weight if cfg.ce_weight is not None else 0.1
         torch.set_num_threads(cfg.threads)
         last = self.ckpt_dir / "last"
         self._vocab_note = ""
@@ -177,6 +198,8 @@ class Trainer:
         state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=False)
         if cfg["dflash_config"]["target_layer_ids"] != list(self.data.layer_ids) or cfg["num_hidden_layers"] != self.cfg.draft_layers:
             raise TrainError(f"{last}: this checkpoint has another geometry (layers/target layers) than the command asks for")
+        if DrafterConfig.from_hf(cfg).kind != self.cfg.kind:
+            raise TrainError(f"{last}: this checkpoint is a {DrafterConfig.from_hf(cfg).kind} drafter, not --kind {self.cfg.kind}")
         return None if state["d2t"] is None else np.asarray(state["d2t"], dtype=np.int64)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -210,7 +233,7 @@ class Trainer:
     def _load(self, last: Path) -> None:
         from safetensors.torch import load_file
 
-        tensors = load_file(str(last / "model.safetensors"))
+        tensors = checkpoint_to_state(load_file(str(last / "model.safetensors")))
         for k in ("d2t", "t2d", "lm_head.weight"):
             tensors.pop(k, None)
         self.model.load_state_dict(tensors)
@@ -226,12 +249,36 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weighted loss, slot accuracy) over the scored slots of a batch."""
+        """(loss, slot accuracy) over the scored slots of a batch, with the kind's own terms."""
+        cfg = self.cfg
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             hidden = self.model.hidden(batch.features, batch.ctx_pos, batch.block_ids, batch.block_pos, batch.mask)
             scored = batch.labels != IGNORE
-            logits = self.model.logits(hidden[scored])
-        return weighted_loss(logits, batch.labels[scored], batch.weights[scored])
+            h, prev = hidden[scored], batch.prev[scored]
+            logits = self.model.step_logits(h, prev)
+        labels, weights = batch.labels[scored], batch.weights[scored]
+        soft_ids = batch.soft_ids[scored] if batch.soft_ids is not None else None
+        soft_logits = batch.soft_logits[scored] if batch.soft_logits is not None else None
+        if cfg.kind == "dspark":
+            conf = self.model.confidence(h, prev)
+            p = torch.zeros_like(logits, dtype=torch.float32)
+            if soft_ids is not None:
+                p.scatter_add_(-1, soft_ids.clamp_min(0), soft_targets(soft_ids, soft_logits))
+            missing = p.sum(-1) <= 0  # no target distribution for this row: the label, one-hot
+            p[missing] = torch.nn.functional.one_hot(labels[missing], p.shape[-1]).float()
+            loss, _ = dspark_loss(
+                logits, labels, weights, conf, p,
+                ce_weight=self.ce_weight, l1_weight=cfg.l1_weight, confidence_weight=cfg.confidence_weight,
+            )
+            acc = ((logits.argmax(-1) == labels).float().mean())
+            return loss, acc
+        loss, acc = distill_loss(logits, labels, weights, soft_ids, soft_logits, cfg.soft_labels)
+        if cfg.kind == "dflash2":
+            sel = self.model.candidate_selector
+            candidates = logits.detach().topk(sel.top_k, dim=-1).indices
+            scores = sel.pair_scores(h, logits, prev, candidates)
+            loss = loss + cfg.selector_weight * selector_loss(scores, candidates, batch.truth[scored], weights)
+        return loss, acc
 
     def _train_batch(self) -> Batch:
         records = self.data.train.records
@@ -244,6 +291,7 @@ class Trainer:
         return make_batch(
             self.data.train, [chosen[i] for i in keep], [anchors[i] for i in keep],
             block_size=self.cfg.block_size, mask_token_id=self.data.spec.mask_token_id, gamma=self.gamma, t2d=self.t2d,
+            shift=self.shift, soft=self.soft,
         ).to(self.device)
 
     # -- evaluation --------------------------------------------------------------------------
@@ -266,17 +314,20 @@ class Trainer:
                 continue
             batch = make_batch(
                 cache, [r], [anchors], block_size=b, mask_token_id=self.data.spec.mask_token_id,
-                gamma=self.gamma, t2d=self.t2d,
+                gamma=self.gamma, t2d=self.t2d, shift=self.shift,
             ).to(self.device)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 hidden = self.model.hidden(batch.features, batch.ctx_pos, batch.block_ids, batch.block_pos, batch.mask)[0]
-                logits = self.model.logits(hidden).float()
+                logits = self.model.step_logits(hidden, batch.prev[0]).float()
+                # the greedy draft as the runtime makes it: b - 1 drafted slots per block
+                hb = hidden.reshape(len(anchors), b, -1)
+                hb = hb[:, 1:] if self.shift == 0 else hb[:, : b - 1]
+                pred = self.model.draft(hb.float(), batch.block_ids[0].reshape(len(anchors), b)[:, 0]).cpu().numpy()
             tokens, _ = cache.load(r)
-            truth = block_labels(tokens, anchors, b)  # target ids
-            pred = logits.argmax(-1).cpu().numpy()
+            truth = block_labels(tokens, anchors, b).reshape(len(anchors), b)[:, 1:]  # target ids of anchor+1 ..
             if self.d2t is not None:
                 pred = self.d2t[pred]
-            hits.setdefault(r.category, []).append((pred == truth).reshape(len(anchors), b)[:, 1:])
+            hits.setdefault(r.category, []).append(pred == truth)
             ok = batch.labels[0] != IGNORE
             if ok.any():
                 loss, _ = weighted_loss(logits[ok], batch.labels[0][ok], batch.weights[0][ok])
