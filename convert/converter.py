@@ -15,8 +15,6 @@ def check_pair(ckpt: Checkpoint, target: TargetInfo) -> None:
     """Refuse a drafter that cannot run on this target, before any byte is written."""
     cfg = ckpt.config
     where = f"{target.path}"
-    if target.recurrent:
-        raise ConversionError(f"{where}: target architecture {target.architecture} is recurrent; DFlash needs a transformer target")
     if cfg.hidden_size != target.n_embd:
         raise ConversionError(
             f"{where}: target hidden size {target.n_embd} does not match the drafter's {cfg.hidden_size} ({ckpt.config_path})"

@@ -15,16 +15,25 @@ from typing import Any, Iterable, Sequence
 import gguf
 import numpy as np
 
-from dflash_gguf.schema import Keys
+from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, Keys
 
-# llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp): their
-# memory cannot be rolled back to an earlier position, which speculative decoding needs.
+# llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp): their memory cannot be
+# truncated to an earlier position; dflash_gguf.memory rolls them back with snapshots or checkpoints.
 RECURRENT_ARCHS = frozenset(
     {
         "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7",
         "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe",
         "nemotron_h", "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3",
         "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+    }
+)
+
+# llm_arch_supports_rs_rollback (src/llama-arch.cpp): libllama keeps n_rs_seq recurrent-state snapshots
+# for these; elsewhere it clamps n_rs_seq to 0 and rollback takes a checkpoint and a replay.
+RS_ROLLBACK_ARCHS = frozenset(
+    {
+        "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next",
+        "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe", "bailingmoe3",
     }
 )
 
@@ -57,8 +66,9 @@ LAYER_CAPTURE_ARCHS: dict[str, bool] = {
 def check_feature_layers(architecture: str, n_layer: int, layers: Sequence[int]) -> None:
     """ValueError unless libllama can hand over these layer inputs (GGUF ids) of such a target."""
     if architecture not in LAYER_CAPTURE_ARCHS:
+        kind = "recurrent " if architecture in RECURRENT_ARCHS else ""
         raise ValueError(
-            f"libllama cannot capture layer inputs of a {architecture!r} target "
+            f"libllama cannot capture layer inputs of a {kind}{architecture!r} target "
             f"(supported: {', '.join(sorted(LAYER_CAPTURE_ARCHS))})"
         )
     top = n_layer if LAYER_CAPTURE_ARCHS[architecture] else n_layer - 1
@@ -195,3 +205,10 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     if sub == gguf.GGUFValueType.STRING:
         return [v.decode("utf-8", errors="replace") for v in value]
     return value
+
+
+def drafter_block_size(path: str | Path) -> int:
+    """A drafter GGUF's `dflash.block_size` (metadata only), so a target context can be sized for it first."""
+    path = Path(path)
+    value = field_value(open_gguf(path), Keys.BLOCK_SIZE)
+    return int(value) if value is not None else DEFAULT_BLOCK_SIZE
