@@ -239,7 +239,6 @@ def test_dspark_tensor_names_are_the_ones_upstreams_converter_maps():
         for name in model.state_dict():
             if name in ("embed", "lm_head_weight"):
                 continue
-            base, _, suffix = ("model." + name).rpartition(".")
             assert tmap.get_name("model." + name, try_suffixes=(".weight", ".bias")) is not None, name
     finally:
         sys.path.remove(str(root))

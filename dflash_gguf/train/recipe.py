@@ -196,6 +196,7 @@ def dspark_loss(
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
     bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
     loss = (ce_weight * (ce * w).sum() + l1_weight * (l1 * w).sum() + confidence_weight * (bce * w).sum()) / den
-    stats = {"ce": float((ce * w).sum() / den), "l1": float((l1 * w).sum() / den), "confidence_bce": float((bce * w).sum() / den),
-             "accept": float((accept * w).sum() / den)}
+    with torch.no_grad():
+        stats = {"ce": float((ce * w).sum() / den), "l1": float((l1 * w).sum() / den),
+                 "confidence_bce": float((bce * w).sum() / den), "accept": float((accept * w).sum() / den)}
     return loss, stats
