@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from dflash_gguf.convert.config_schema import check_config, load_config_json
 from dflash_gguf.convert.errors import ConversionError
-from dflash_gguf.convert.safetensors_reader import CheckpointTensor, read_safetensors_index
+from dflash_gguf.convert.safetensors_reader import CheckpointTensor, check_regular_file, read_safetensors_index
 from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
@@ -76,12 +77,9 @@ def _int(hparams: dict[str, Any], name: str, path: Path, *, positive: bool = Tru
 
 def read_config(path: Path) -> DraftConfig:
     """Parse and check config.json; ConversionError names the first problem."""
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ConversionError(f"{path}: missing config.json (it must sit beside the safetensors)")
-    try:
-        hparams = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{path}: invalid config.json ({str(e).splitlines()[0]})") from None
+    hparams = load_config_json(path)
     if not isinstance(hparams, dict):
         raise ConversionError(f"{path}: invalid config.json (not a JSON object)")
     if not isinstance(hparams.get("dflash_config", {}), dict):
@@ -90,6 +88,8 @@ def read_config(path: Path) -> DraftConfig:
     archs = hparams.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise ConversionError(f"{path}: config.json names no architectures (expected one of {', '.join(ARCHITECTURES)})")
+    if not all(isinstance(a, str) for a in archs):
+        raise ConversionError(f"{path}: architectures must be a list of class names, got {str(archs)[:60]}")
     known = [a for a in archs if a in ARCHITECTURES]
     if not known:
         raise ConversionError(
@@ -97,6 +97,7 @@ def read_config(path: Path) -> DraftConfig:
         )
     arch = known[0]
     kind = ARCHITECTURES[arch]
+    check_config(hparams, path, kind)  # every key's type and range, from one table (config_schema.SCHEMA)
 
     hidden = _int(hparams, "hidden_size", path)
     num_heads = _int(hparams, "num_attention_heads", path)
@@ -258,15 +259,16 @@ def _refuse_pickle(path: Path) -> None:
 
 
 def _shards(index: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({str(v) for v in weight_map.values()})
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ConversionError(f"{index}: invalid safetensors index ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    data = load_config_json(index, "safetensors index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise ConversionError(f"{index}: invalid safetensors index (weight_map must map tensor names to shard file names)")
+    files = sorted(set(weight_map.values()))
     paths = [index.parent / f for f in files]
     for p in paths:
-        if not p.is_file():
+        if not p.exists():
             raise ConversionError(f"{index}: names shard {p.name}, which does not exist")
+        check_regular_file(p, "safetensors shard")
     return paths
 
 

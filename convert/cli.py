@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
 from dflash_gguf.convert.converter import convert_checkpoint
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.info import drafter_info, format_info
+from dflash_gguf.convert.safetensors_reader import check_regular_file
 from dflash_gguf.convert.writer import OUTTYPES
 
 PROG = "dflash-convert"
@@ -39,31 +43,75 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt, so the temp file is removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_CLEANUP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise Terminated once (later ones are ignored, so the clean-up itself is not cut short)."""
+
+    def handler(signum: int, frame: object) -> None:
+        for s in _CLEANUP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread; an embedding program owns them there
+        return
+    previous = {s: signal.signal(s, handler) for s in _CLEANUP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split("\n"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 2 bad input, 1 write failure, 130 interrupted)."""
+    """Entry point; returns the exit code: 0 ok, 2 any failure (bad input, write failure),
+    130 on SIGINT, 128 + signal on SIGTERM / SIGHUP; never a traceback, never a half-written OUT."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.info is not None:
         if args.src is not None or args.target is not None or args.outtype is not None or args.name is not None:
             parser.error("--info takes only the GGUF to inspect")
         try:
+            check_regular_file(args.info, "drafter GGUF")
             print(format_info(drafter_info(args.info)))
         except ConversionError as e:
-            return _fail(str(e))
+            return _fail(_one_line(str(e)))
         return 0
     if args.src is None or args.out is None:
         parser.error("SRC and OUT are required (or --info FILE.gguf)")
     try:
-        out = convert_checkpoint(
-            args.src, args.out, target=args.target, outtype=args.outtype, name=args.name,
-            force=args.force, progress=not args.no_progress and sys.stderr.isatty(),
-        )
+        with _signals_unwind():
+            if args.target is not None:
+                check_regular_file(args.target, "target GGUF")
+            out = convert_checkpoint(
+                args.src, args.out, target=args.target, outtype=args.outtype, name=args.name,
+                force=args.force, progress=not args.no_progress and sys.stderr.isatty(),
+            )
     except ConversionError as e:
-        return _fail(str(e))
+        return _fail(_one_line(str(e)))
     except KeyboardInterrupt:
         return _fail("interrupted; no output written", 130)
+    except Terminated as e:
+        return _fail(f"terminated by {signal.Signals(e.signum).name}; no output written", 128 + e.signum)
     except OSError as e:
-        return _fail(f"{args.out}: write failed ({e.strerror or e}); no output written", 1)
+        return _fail(f"{args.out}: write failed ({e.strerror or e}); no output written")
+    except (RecursionError, MemoryError) as e:
+        return _fail(f"{args.src}: input too deeply nested or too large ({type(e).__name__}); no output written")
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     if args.target is None:
         print(

@@ -11,13 +11,13 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import gguf
 import numpy as np
 from tqdm import tqdm
 
-from dflash_gguf.convert.checkpoint import Checkpoint, DraftConfig, d2t_target_ids, draft_value
+from dflash_gguf.convert.checkpoint import SHARD_INDEX, Checkpoint, DraftConfig, d2t_target_ids, draft_value
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.schema import ARCH, Keys, Tensors, hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo
@@ -155,9 +155,42 @@ def _umask() -> int:
     return mask
 
 
+def input_paths(ckpt: Checkpoint, target: TargetInfo | None) -> list[Path]:
+    """Every file a conversion reads: config.json, the shard index, each safetensors shard, the target GGUF."""
+    paths = [ckpt.config_path, ckpt.source, ckpt.config_path.parent / SHARD_INDEX]
+    paths += sorted({t.file for t in ckpt.tensors.values()})
+    if target is not None:
+        paths.append(Path(target.path))
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)  # through symlinks: a link to an input is that input
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def refuse_input_as_output(out: Path, inputs: Sequence[Path]) -> None:
+    """OUT may never name one of the inputs, by path, through a symlink or as another hard link of it.
+
+    Checked even with --force: replacing the target or the checkpoint with the drafter destroys it.
+    """
+    out_id = _identity(out)
+    out_real = os.path.realpath(out)
+    for p in inputs:
+        if os.path.realpath(p) == out_real or (out_id is not None and _identity(p) == out_id):
+            raise ConversionError(f"{out}: output is one of the inputs ({p}); choose another OUT (even --force never overwrites an input)")
+
+
 @contextmanager
-def atomic_output(out: Path, *, force: bool) -> Iterator[Path]:
-    """A temp file beside `out`, renamed over it only when the body succeeds; removed otherwise."""
+def atomic_output(out: Path, *, force: bool, inputs: Sequence[Path] = ()) -> Iterator[Path]:
+    """A temp file beside `out`, renamed over it only when the body succeeds; removed otherwise.
+
+    `inputs` are the files being read: `out` may be none of them (see refuse_input_as_output).
+    """
+    refuse_input_as_output(out, inputs)
     if out.is_dir():
         raise ConversionError(f"{out}: output is a directory")
     if out.exists() and not force:
@@ -194,7 +227,7 @@ def write_drafter_gguf(
     """
     cfg = ckpt.config
     plan = [(name, t, tensor_type(name, t.shape, t.dtype, outtype)) for name, t in ckpt.tensors.items()]
-    with atomic_output(out, force=force) as tmp:
+    with atomic_output(out, force=force, inputs=input_paths(ckpt, target)) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
         try:
             _add_metadata(writer, ckpt, target, _file_type([q for _, _, q in plan], outtype), name or out.stem)
