@@ -218,9 +218,10 @@ class HybridMemory(TargetMemory):
         if self._prompt_pending:
             # the state at the end of the prompt: a later prompt sharing this prefix resumes here
             self._prompt_pending = False
-            self._remember(save_state(t, n_past))
+            if n_past > 0:
+                self._remember(save_state(t, n_past))
         self._verify = (n_past, n_tokens, t.decode_count)
-        needs = n_tokens > keep_min and not self.can_snapshot(n_tokens, keep_min)
+        needs = n_past > 0 and n_tokens > keep_min and not self.can_snapshot(n_tokens, keep_min)
         self._checkpoint = save_state(t, n_past) if needs else None
 
     def keep(self, n_past: int, block: Sequence[int], n_keep: int) -> None:
@@ -235,6 +236,10 @@ class HybridMemory(TargetMemory):
         self._verify = None
         checkpoint, self._checkpoint = self._checkpoint, None
         if n_keep == n:
+            return
+        if n_keep == 0 and n_past == 0:
+            t.remove(0, 0)  # back to empty: a full clear is always exact (calibration on an empty context)
+            self._rolled_at = t.decode_count
             return
         if checkpoint is None and self.can_snapshot(n, n_keep) and t.decode_count != self._rolled_at:
             t.remove(0, n_past + n_keep)

@@ -44,3 +44,17 @@ def dflash2_gguf_path(reference_checkpoint_dflash2, embedded_target, tmp_path_fa
     """`reference_checkpoint_dflash2` converted with --target embedded_target (bf16 kept)."""
     out = tmp_path_factory.mktemp("dflash2_gguf") / "drafter2.gguf"
     return convert_checkpoint(reference_checkpoint_dflash2, out, target=embedded_target, progress=False)
+
+
+# --- hybrid targets (issue 10) -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory, embedded_target):
+    """Tiny random qwen35 / lfm2 / qwen3next target GGUFs and their drafters, each built on first use.
+
+    `hybrid_models.target("qwen35")`, `hybrid_models.drafter("lfm2", "dflash2")`: see tests/hybrid_fixtures.py.
+    """
+    from hybrid_fixtures import HybridModels
+
+    return HybridModels(tmp_path_factory.mktemp("hybrid"), embedded_target)

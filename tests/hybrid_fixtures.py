@@ -31,6 +31,7 @@ KV_HEADS = 2
 HEAD_DIM = 16
 FFN = 128
 INIT_STD = 0.1  # larger than the usual 0.02 so the random model's next-token distribution is peaked
+EMBED_STD = 0.25  # the tied embedding / output head: peaked next-token logits, output still varied
 
 # HF target_layer_ids of the drafters: GGUF ids 1 and 3 (layer inputs), both valid on a 4-layer target
 DRAFT_TARGET_LAYERS = (0, 2)
@@ -123,7 +124,9 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
+            if name.endswith("embed_tokens.weight"):
+                param.copy_(EMBED_STD * noise)
+            elif "norm" in name:
                 param.copy_(1.0 + 0.02 * noise)
             elif name.endswith("A_log"):
                 param.copy_(torch.log(torch.rand(param.shape, generator=generator) * 15 + 1))
@@ -243,8 +246,30 @@ def build_drafter(target_gguf: Path, directory: Path, *, kind: str = "dflash", s
     from dflash_gguf.convert import convert_checkpoint
 
     directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     ckpt = build_drafter_checkpoint(directory / f"{kind}-ckpt", kind=kind, seed=seed)
     return convert_checkpoint(ckpt, directory / f"{Path(target_gguf).stem}-{kind}.gguf", target=target_gguf, progress=False)
+
+
+class HybridModels:
+    """The fixtures of one pytest run, each built on first use into `directory` and then reused."""
+
+    def __init__(self, directory: Path, tokenizer_gguf: Path) -> None:
+        self.directory = Path(directory)
+        self.tokenizer_gguf = Path(tokenizer_gguf)
+        self._built: dict[tuple[str, str], Path] = {}
+
+    def target(self, arch: str) -> Path:
+        key = (arch, "target")
+        if key not in self._built:
+            self._built[key] = build_target(arch, self.directory, self.tokenizer_gguf)
+        return self._built[key]
+
+    def drafter(self, arch: str, kind: str = "dflash") -> Path:
+        key = (arch, kind)
+        if key not in self._built:
+            self._built[key] = build_drafter(self.target(arch), self.directory / f"{arch}-{kind}", kind=kind)
+        return self._built[key]
 
 
 if __name__ == "__main__":  # build the fixtures into a folder, for the scripts and the benchmark
