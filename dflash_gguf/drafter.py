@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from llama_cpp import llama_cpp as capi
 
-from . import llama_ext
+from . import drafter_gguf, llama_ext
 from .sampling import SamplingParams, probabilities, sample_token
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
 from .target import NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
@@ -89,6 +89,7 @@ class Drafter(NativeResource):
     ) -> None:
         self.path = check_gguf_file(path)
         self.target = target
+        drafter_gguf.check_drafter_gguf(self.path)  # every value libllama would abort on, before it reads the file
         self._model = load_model(self.path, n_gpu_layers=target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers)
         self._shared = SharedModel(self._model, owned=True)
         try:
