@@ -460,3 +460,122 @@ def _non_decreasing(table: dict[int, float]) -> dict[int, float]:
         smallest_above = min(smallest_above, table[n])
         out[n] = smallest_above
     return out
+
+
+# -- lookup next to the native drafter ---------------------------------------------------------------
+
+LOOKUP_CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 33)
+_LOOKUP_DRAFT_S = 2e-5  # a lookup proposal is a dictionary read and a list copy: tens of microseconds
+
+
+def calibrate_verify(
+    target: Target,
+    *,
+    memory: TargetMemory | None = None,
+    max_tokens: int = 33,
+    budget_s: float = 0.3,
+    smoothing: float = 0.2,
+) -> CostModel:
+    """Target batches of 1..max_tokens tokens timed as `calibrate` does, for sources that need no drafter pass.
+
+    The draft table holds lookup's own (tiny) proposal cost; the verify table is what decides lookup.
+    """
+    from .memory import KVTruncation
+    from .timing import time_batch
+
+    memory = memory or KVTruncation(target)
+    p0 = target.pos_max(0) + 1
+    top = min(max_tokens, target.n_batch, target.n_ctx_seq - p0)
+    if top < 2:
+        raise ValueError(f"no room to calibrate: {p0} positions cached, context {target.n_ctx_seq}")
+    sizes = sorted({n for n in LOOKUP_CALIBRATION_SIZES if n <= top} | {top})
+    token = max(0, target.bos_token())
+    verify: dict[int, float] = {}
+    time_batch(target, [token] * top, p0, memory)  # warm-up
+    deadline = time.perf_counter() + budget_s
+    sweeps = 0
+    while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
+        for n in sizes:
+            verify[n] = min(time_batch(target, [token] * n, p0, memory).wall_s, verify.get(n, math.inf))
+        sweeps += 1
+    return CostModel(_non_decreasing(verify), {1: _LOOKUP_DRAFT_S}, smoothing=smoothing)
+
+
+def extend_verify_costs(costs: CostModel, target: Target, *, memory: TargetMemory | None = None, max_tokens: int = 33,
+                        budget_s: float = 0.2) -> CostModel:
+    """A drafter's cost model with target batches measured up to max_tokens (lookup drafts run longer)."""
+    longer = calibrate_verify(target, memory=memory, max_tokens=max_tokens, budget_s=budget_s)
+    merged = {**longer.target.points(), **costs.target.points()}
+    out = CostModel(_non_decreasing(merged), costs.draft.points(),
+                    rollback=costs.rollback.points() if costs.rollback else None)
+    return out
+
+
+class LookupPolicy(Policy):
+    """Lookup and, where there is one, the native drafter: each cycle the candidate expected to commit most
+    tokens per second, or plain decoding.
+
+    Lookup's expected tokens come from its source (acceptance learnt per match length, for the match it
+    has now); the native drafter's from its BlockController, which keeps its own probing and back-off:
+    whenever lookup does not beat both plain decoding and the drafter's best block, the drafter's
+    controller decides as it would alone. Both are priced with one cost model (verify cost per length).
+    """
+
+    def __init__(self, lookup, costs: CostModel | None = None, *, native: str | None = None,
+                 controller: BlockController | None = None) -> None:
+        if (native is None) != (controller is None):
+            raise ValueError("a native source needs its BlockController, and a controller its source name")
+        if costs is None and controller is None:
+            raise ValueError("LookupPolicy needs a cost model (or a native controller, whose costs it shares)")
+        self.lookup = lookup
+        self.native = native
+        self.controller = controller
+        self.costs = controller.costs if controller is not None else costs
+        self._lookup_draft = CostTable({1: _LOOKUP_DRAFT_S})
+
+    def _lookup_rate(self, n: int, expected: Sequence[float]) -> float:
+        return expected[n] / (self.costs.verify_s(n + 1) + self._lookup_draft.seconds(1))
+
+    def choose(self, offers: Mapping[str, int]) -> Choice:
+        plain_rate = 1.0 / self.costs.plain_s
+        name = self.lookup.name
+        best_n, best_rate, expected = 0, plain_rate, [1.0]
+        if offers.get(name, 0) > 0:
+            expected = self.lookup.current_expected(offers[name])
+            for n in range(1, len(expected)):
+                rate = self._lookup_rate(n, expected)
+                if rate > best_rate:
+                    best_n, best_rate = n, rate
+        c = self.controller
+        native_offered = c is not None and offers.get(self.native, 0) > 0
+        if best_n and native_offered:
+            e = c.expected_tokens()
+            native_best = max(c._rate(n, e) for n in range(1, c.max_draft + 1))
+            if native_best >= best_rate:
+                best_n = 0
+        if best_n:
+            seconds = self.costs.verify_s(best_n + 1)
+            reason = (f"lookup {best_n}: E={expected[best_n]:.1f} tok for {seconds * 1e3:.1f} ms = "
+                      f"{best_rate:.0f} tok/s > plain {plain_rate:.0f} tok/s")
+            return Choice(name, best_n, StepKind.DRAFT, reason)
+        if native_offered:
+            block = c.choose()
+            n = min(block.n_draft, offers[self.native])
+            if n:
+                return Choice(self.native, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
+            return Choice(None, 0, StepKind.PLAIN, block.reason)
+        why = "no lookup match" if len(expected) == 1 else f"lookup does not pay (best E={max(expected[1:]):.1f} tok)"
+        return Choice(None, 0, StepKind.PLAIN, f"plain: {why}, plain {plain_rate:.0f} tok/s")
+
+    def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
+        c = self.controller
+        if c is not None and choice.source != self.lookup.name:
+            c.observe(choice.n_draft, n_accepted)
+        self.costs.observe("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
+        if choice.n_draft:
+            self.costs.observe("rollback", timing.block_tokens, timing.rollback_s)
+            if choice.source == self.lookup.name:
+                if timing.draft_s > 0:
+                    self._lookup_draft.update(1, timing.draft_s)
+            else:
+                self.costs.observe("draft", timing.block_tokens, timing.draft_s)

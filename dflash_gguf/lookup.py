@@ -1,0 +1,340 @@
+"""Lookup drafts: continuations copied from earlier in the context, found by an incremental n-gram index.
+
+Much desktop work re-emits text the model already has (editing code in the prompt, quoting a document,
+rewriting a message). There the tokens that followed the last occurrence of the current suffix are a
+free draft: no forward pass, only a dictionary lookup. Upstream llama.cpp has five variants of this
+(`common/ngram-map.cpp`: ngram-simple scans the history backwards, ngram-map-k keeps keys with hit counts;
+`ngram-mod.cpp`: one fixed-size hashed table of n-grams to their next token; `ngram-cache.cpp`: n-gram ->
+next-token frequency tables). This index keeps, for a few n-gram sizes, every position an n-gram occurred
+at, appended as tokens are committed: each new token costs one insertion per size, and a query costs at
+most a fixed number of dictionary reads and token comparisons, however long the context is. `ops` counts
+both, so that tests can prove it without timing anything.
+
+The draft length is not the index's business: `LookupStats` learns, per match-length bucket, how often
+lookup drafts pass, and the controller turns that into the length that pays most on this machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams
+from .sources import Candidate, Commit, DraftSource
+from .steps import TokenSource
+
+DEFAULT_SIZES = (2, 3, 4, 8)  # n-gram sizes indexed; queried longest first
+DEFAULT_CANDIDATES = 4  # most recent occurrences of the matched n-gram compared by their full match length
+DEFAULT_MAX_MATCH = 32  # a match is measured backwards at most this far (longer is as good as this)
+MATCH_BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # lower bounds of the match-length buckets acceptance is kept by
+
+
+@dataclass(frozen=True)
+class Match:
+    """An earlier occurrence of the context's suffix: its continuation starts at `pos`, `length` tokens agree."""
+
+    pos: int
+    length: int
+
+
+class NgramIndex:
+    """Positions of every n-gram (n in `sizes`) of a growing token sequence, keyed by the n-gram.
+
+    The sequence is what the target has committed: prompt and generated tokens. `append`/`extend` add to
+    it, `truncate` drops a tail (a new prompt that shares only a prefix), `match` finds where the suffix
+    `tokens[-(n-1):] + [last]` occurred before, and `continuation` copies what followed it.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int] = DEFAULT_SIZES,
+        *,
+        candidates: int = DEFAULT_CANDIDATES,
+        max_match: int = DEFAULT_MAX_MATCH,
+    ) -> None:
+        sizes = tuple(sorted(set(int(n) for n in sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"n-gram sizes must be integers >= 1, got {sizes!r}")
+        if candidates < 1:
+            raise ValueError(f"candidates must be >= 1, got {candidates}")
+        if max_match < sizes[-1]:
+            raise ValueError(f"max_match must be >= the largest n-gram size {sizes[-1]}, got {max_match}")
+        self.sizes = sizes
+        self.candidates = candidates
+        self.max_match = max_match
+        self.tokens: list[int] = []
+        # n -> n-gram -> ascending positions of the token that followed each occurrence
+        self._tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in sizes}
+        self.ops = 0  # dictionary operations and token comparisons so far (a cost counter for tests)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    # -- building ---------------------------------------------------------------------------------
+
+    def append(self, token: int) -> None:
+        """One more committed token: the n-grams that end just before it now have a continuation."""
+        i = len(self.tokens)
+        seq = self.tokens
+        seq.append(int(token))
+        for n in self.sizes:
+            if i >= n:
+                self._tables[n].setdefault(tuple(seq[i - n : i]), []).append(i)
+                self.ops += 1
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n, undoing exactly their insertions (newest first)."""
+        if n < 0:
+            raise ValueError(f"truncate needs n >= 0, got {n}")
+        seq = self.tokens
+        for i in range(len(seq) - 1, n - 1, -1):
+            for size in self.sizes:
+                if i >= size:
+                    key = tuple(seq[i - size : i])
+                    table = self._tables[size]
+                    positions = table[key]
+                    positions.pop()  # the newest occurrence is i's: positions are appended in order
+                    if not positions:
+                        del table[key]
+                    self.ops += 1
+        del seq[n:]
+
+    # -- querying ---------------------------------------------------------------------------------
+
+    def match(self, last: int) -> Match | None:
+        """The best earlier occurrence of the suffix ending in `last` (the token after `tokens`), if any.
+
+        The longest indexed n-gram size that occurs wins; among its `candidates` most recent occurrences,
+        the one that agrees furthest back (up to max_match), the most recent on a tie.
+        """
+        seq = self.tokens
+        length = len(seq) + 1  # of the virtual sequence tokens + [last]
+        for n in reversed(self.sizes):
+            if n > length:
+                continue
+            key = tuple(seq[length - n :]) + (int(last),) if n > 1 else (int(last),)
+            positions = self._tables[n].get(key)
+            self.ops += 1
+            if not positions:
+                continue
+            best: Match | None = None
+            for pos in reversed(positions[-self.candidates :]):
+                m = n + self._extend_back(pos - n - 1, length - n - 1, self.max_match - n)
+                if best is None or m > best.length:
+                    best = Match(pos, m)
+                if m >= self.max_match:
+                    break
+            return best
+        return None
+
+    def _extend_back(self, i: int, j: int, limit: int) -> int:
+        """How many tokens agree going backwards from seq[i] and seq[j] (j indexes tokens + [last]), at most limit."""
+        seq = self.tokens
+        k = 0
+        while k < limit and i - k >= 0 and seq[i - k] == seq[j - k]:
+            k += 1
+        self.ops += k + 1
+        return k
+
+    def continuation(self, match: Match, last: int, n: int) -> list[int]:
+        """The n tokens that follow the match, read as a copy that may run into the text it is producing.
+
+        Past the end of the committed tokens the copy continues from [last] + the draft itself, so a
+        repeating pattern ("a b a b ...") drafts as far as asked.
+        """
+        seq = self.tokens
+        tail = [int(last)]
+        out: list[int] = []
+        for j in range(n):
+            p = match.pos + j
+            tok = seq[p] if p < len(seq) else tail[p - len(seq)]
+            out.append(tok)
+            tail.append(tok)
+        self.ops += n
+        return out
+
+
+def match_bucket(length: int) -> int:
+    """The index of the match-length bucket `length` falls in (acceptance is learnt per bucket)."""
+    return max(0, bisect.bisect_right(MATCH_BUCKETS, length) - 1)
+
+
+def _default_prior(bucket: int) -> float:
+    """P(a lookup token passes) before any evidence: longer matches are likelier to continue."""
+    return min(0.95, 0.5 + 0.06 * bucket)
+
+
+class LookupStats:
+    """How often lookup tokens pass, by the match length at the slot they were drafted in.
+
+    Slot j of a draft from a match of length L continues a match of length L + j, so acceptance is learnt
+    per bucket of that length: decayed Beta counts shrunk towards a prior that rises with the length.
+    """
+
+    def __init__(self, *, prior=_default_prior, strength: float = 4.0, memory: float = 0.95) -> None:
+        if strength <= 0 or not 0.0 < memory <= 1.0:
+            raise ValueError("need strength > 0 and 0 < memory <= 1")
+        self._prior = [prior(b) for b in range(len(MATCH_BUCKETS))]
+        self._strength = strength
+        self._memory = memory
+        self._accepted = [0.0] * len(MATCH_BUCKETS)
+        self._tried = [0.0] * len(MATCH_BUCKETS)
+        self.n_drafted = 0
+        self.n_accepted = 0
+
+    def acceptance(self, length: int) -> float:
+        b = match_bucket(length)
+        return (self._accepted[b] + self._strength * self._prior[b]) / (self._tried[b] + self._strength)
+
+    def expected_tokens(self, match_length: int, n_max: int) -> list[float]:
+        """Expected tokens committed by verifying n lookup tokens, n = 0..n_max (the bonus token included)."""
+        out = [1.0]
+        all_passed = 1.0
+        for j in range(n_max):
+            all_passed *= self.acceptance(match_length + j)
+            out.append(out[-1] + all_passed)
+        return out
+
+    def observe(self, match_length: int, n_drafted: int, n_accepted: int) -> None:
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"need 0 <= n_accepted <= n_drafted, got {n_accepted}, {n_drafted}")
+        m = self._memory
+        self._accepted = [a * m for a in self._accepted]
+        self._tried = [t * m for t in self._tried]
+        for j in range(min(n_accepted + 1, n_drafted)):
+            b = match_bucket(match_length + j)
+            self._tried[b] += 1.0
+            if j < n_accepted:
+                self._accepted[b] += 1.0
+        self.n_drafted += n_drafted
+        self.n_accepted += n_accepted
+
+
+LOOKUP_SOURCE = "lookup"
+DEFAULT_MAX_DRAFT = 32
+
+
+class LookupSource(DraftSource):
+    """N-gram lookup as a draft source: free, deterministic proposals copied from the context.
+
+    It indexes every committed token (prompt chunks and accepted cycles) as the loop reports them, so a
+    query never rescans the context. Proposals are point masses: with sampling each token is accepted
+    with the target's own probability of it (q = 1 at the drafted token), which keeps the output
+    distributed exactly as the target's. What passed is learnt per match length (`stats`), from the
+    commits themselves, and a policy reads `expected_tokens` to choose how far to draft.
+    """
+
+    name = LOOKUP_SOURCE
+    provenance = TokenSource.LOOKUP
+    needs_features = False
+
+    def __init__(self, *, max_draft: int = DEFAULT_MAX_DRAFT, index: NgramIndex | None = None,
+                 stats: LookupStats | None = None) -> None:
+        if not isinstance(max_draft, int) or max_draft < 1:
+            raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+        self.max_draft = max_draft
+        self.index = index or NgramIndex()
+        self.stats = stats or LookupStats()
+        self._match: tuple[int, int, Match | None] | None = None  # (last, n_past, match) of the last query
+        self._proposed: tuple[int, int, list[int]] | None = None  # (n_past, match length, tokens)
+
+    def cached(self) -> int:
+        return len(self.index)
+
+    def truncate(self, n: int) -> None:
+        if n < len(self.index):
+            self.index.truncate(n)
+        self._match = None
+        self._proposed = None
+
+    def match(self, last: int, n_past: int) -> Match | None:
+        """The current match (cached per cycle: available() and propose() share one query)."""
+        if self._match is None or self._match[:2] != (last, n_past):
+            if n_past != len(self.index):
+                raise RuntimeError(f"lookup index holds {len(self.index)} positions, the loop is at {n_past}")
+            self._match = (last, n_past, self.index.match(last))
+        return self._match[2]
+
+    def available(self, last: int, n_past: int) -> int:
+        return self.max_draft if self.match(last, n_past) is not None else 0
+
+    def current_expected(self, n_max: int) -> list[float]:
+        """expected_tokens for the match of the last available() query (the policy runs right after it)."""
+        if self._match is None or self._match[2] is None:
+            return [1.0]
+        return self.stats.expected_tokens(self._match[2].length, min(n_max, self.max_draft))
+
+    def expected_tokens(self, last: int, n_past: int, n_max: int) -> list[float]:
+        """Expected tokens committed by verifying n lookup tokens now, n = 0..n_max ([1.0] without a match)."""
+        m = self.match(last, n_past)
+        if m is None:
+            return [1.0]
+        return self.stats.expected_tokens(m.length, min(n_max, self.max_draft))
+
+    def propose(
+        self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Candidate:
+        m = self.match(last, n_past)
+        if m is None:
+            raise RuntimeError("lookup has no match to propose from (available() was 0)")
+        tokens = self.index.continuation(m, last, n_draft)
+        self._proposed = (n_past, m.length, tokens)
+        ids = np.asarray(tokens, dtype=np.int64)
+        return Candidate(self.name, ids, q=np.ones((len(ids), 1)), q_ids=ids[:, None].copy(), point_mass=True)
+
+    def observe(self, commit: Commit) -> None:
+        if commit.start != len(self.index):
+            raise RuntimeError(f"lookup index out of order: commit at {commit.start}, index at {len(self.index)}")
+        if self._proposed is not None and self._proposed[0] == commit.start:
+            _, length, drafted = self._proposed
+            got = list(commit.tokens[1:])
+            n_accepted = 0
+            while n_accepted < min(len(drafted), len(got)) and drafted[n_accepted] == got[n_accepted]:
+                n_accepted += 1
+            self.stats.observe(length, len(drafted), n_accepted)
+        self._proposed = None
+        self._match = None
+        self.index.extend(commit.tokens)
+
+
+def use_lookup(session, *, dflash: bool = True, max_draft: int = DEFAULT_MAX_DRAFT) -> LookupSource:
+    """Give an open Session a lookup source (first) next to its drafter, under one LookupPolicy.
+
+    A stop-gap until Session builds its sources itself (see the issue-13 note): it sets the Session's
+    source list and policy factory. dflash=False drops the native drafter from the loop (lookup only).
+    The lookup source lives as long as the Session, so what it learnt carries over between generations.
+    """
+    from .controller import FixedPolicy, LookupPolicy, calibrate_verify, extend_verify_costs
+    from .sources import NativeDrafterSource
+
+    max_draft = min(max_draft, session.target.n_batch - 1)
+    lookup = LookupSource(max_draft=max_draft)
+    native = [s for s in session._sources if isinstance(s, NativeDrafterSource)] if dflash else []
+    session._sources = [lookup] + native
+    session._lookup_costs = None
+
+    def policy(config):
+        if config.block_size is not None:
+            return FixedPolicy(config.block_size)
+        if native:
+            controller = session._controller()
+            if not getattr(controller, "_lookup_extended", False):
+                controller.costs = extend_verify_costs(controller.costs, session.target, memory=session.memory,
+                                                       max_tokens=max_draft + 1)
+                controller._lookup_extended = True
+            return LookupPolicy(lookup, native=native[0].name, controller=controller)
+        if session._lookup_costs is None:
+            if session.target.pos_max(0) + 1 + max_draft + 1 > session.target.n_ctx_seq:
+                session._forget()
+            session._lookup_costs = calibrate_verify(session.target, memory=session.memory, max_tokens=max_draft + 1)
+        return LookupPolicy(lookup, session._lookup_costs)
+
+    session._policy = policy
+    return lookup
