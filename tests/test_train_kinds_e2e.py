@@ -151,3 +151,19 @@ def test_init_from_target_copies_its_top_layer_and_output_norm(tiny):
     again = hf.reshape(h, 2, hf.shape[0] // h // 2, hf.shape[1]).swapaxes(1, 2).reshape(hf.shape)
     np.testing.assert_array_equal(again, q)
     assert torch.equal(m.layers[0].self_attn.q_norm.weight, torch.ones_like(m.layers[0].self_attn.q_norm.weight))
+
+
+def test_the_shipped_token_archive_belongs_to_the_embedded_target(embedded_target):
+    from dflash_gguf.target_gguf import read_target_info
+
+    path = Path(__file__).resolve().parents[1] / "data" / "SmolLM2-135M-Instruct-selfdistill.npz"
+    archive = read_archive(path)
+    assert archive.provenance["target_fingerprint"] == read_target_info(embedded_target).fingerprint
+    train, held = archive.split("data"), archive.split("eval_data")
+    assert len(train) >= 500 and len(held) == 24
+    held_ids = {i for ids in archive.provenance["held_out_ids"].values() for i in ids}
+    assert not held_ids & {s.id for s in train}  # nothing held out was trained on
+    bench = {json.loads(line)["id"] for line in (Path(__file__).resolve().parents[1] / "dflash_gguf" / "data" / "bench_prompts.jsonl").read_text().splitlines() if line.strip()}
+    assert not bench & {s.id for s in archive.sequences}
+    for s in archive.sequences[:50]:
+        assert 0 < s.response_start < len(s.tokens) <= 512
