@@ -1,0 +1,168 @@
+"""`dflash-serve`: the OpenAI- and Anthropic-compatible server; with no arguments, the embedded pair on 127.0.0.1:8000.
+
+Weights load once: slot 0 opens the models, every other slot is Session.fork() of it (own contexts
+and caches, shared weights). Bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
+from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
+
+PROG = "dflash-serve"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the one shipped for the embedded target)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
+    p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context per slot")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="-1 offloads every layer (CUDA/Metal builds)")
+    p.add_argument("--threads", type=int, help="CPU threads per slot (default: llama.cpp's choice)")
+    p.add_argument("--block-size", type=int, help="fixed block size (default: adaptive)")
+    p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
+    p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.drafter is not None and a.target is None:
+        p.error("--drafter needs --target: the embedded drafter belongs to the embedded target")
+    for flag, path in (("--target", a.target), ("--drafter", a.drafter)):
+        if path is not None and not path.is_file():
+            p.error(f"{flag} {path}: no such file")
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port must be 0..65535, got {a.port}")
+    if a.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {a.parallel}")
+    if a.queue < 0:
+        p.error(f"--queue must be >= 0, got {a.queue}")
+    if a.n_ctx < 16:
+        p.error(f"--n-ctx must be >= 16, got {a.n_ctx}")
+    if a.threads is not None and a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
+    if a.block_size is not None and a.block_size < 1:
+        p.error(f"--block-size must be >= 1, got {a.block_size}")
+    if a.max_body_bytes < 1024:
+        p.error(f"--max-body-bytes must be >= 1024, got {a.max_body_bytes}")
+    if not a.model_alias:
+        p.error("--model-alias must not be empty")
+    if a.api_key is not None and not a.api_key:
+        p.error("--api-key must not be empty")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a taken port is a one-line error, not a traceback."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def open_sessions(a: argparse.Namespace) -> list:
+    from ..session import Session
+
+    first = Session(a.target, a.drafter, n_ctx=a.n_ctx, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads)
+    sessions = [first]
+    try:
+        for _ in range(a.parallel - 1):
+            sessions.append(first.fork())
+    except BaseException:
+        for s in sessions:
+            s.close()
+        raise
+    return sessions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.api_key is None and os.environ.get("DFLASH_API_KEY"):
+        a.api_key = os.environ["DFLASH_API_KEY"]
+    _check_args(p, a)
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        print(f"{PROG}: error: the server needs its extra: pip install 'dflash-gguf[server]' ({e.name} is missing)",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not is_loopback(a.host) and a.api_key is None:
+        print(f"{PROG}: warning: binding {a.host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr)
+    try:
+        sock = bind(a.host, a.port)
+    except OSError as e:
+        print(f"{PROG}: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        sessions = open_sessions(a)
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        sock.close()
+        print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sock.close()
+        return 130
+    try:
+        config = ServerConfig(model_alias=a.model_alias, api_key=a.api_key, max_queue=a.queue,
+                              max_body_bytes=a.max_body_bytes, block_size=a.block_size,
+                              accept_any_model=a.accept_any_model, created=int(time.time()))
+        app = create_app(sessions, config)
+        host, port = sock.getsockname()[:2]
+        print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
+              file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,
+                                               access_log=a.log_level == "debug"))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        for s in sessions:
+            s.close()
+    return 0
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+if __name__ == "__main__":
+    logging.basicConfig()
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""One error shape for every failure: {"error": {"message", "type", "param", "code"}}, never a traceback.
+
+The Anthropic route's errors carry the same object plus Anthropic's top-level `"type": "error"`, so
+both SDKs read them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("dflash_gguf.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """A refusal with its HTTP status, raised anywhere in a route and answered in the error shape."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, *,
+               anthropic: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}
+    }
+    return {"type": "error", **body} if anthropic else body
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None, *,
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    anthropic = path.startswith("/v1/messages")
+    return JSONResponse(error_body(status, message, param, code, anthropic=anthropic), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first validation error, naming the field as a dotted path."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg', ''))}", None
+    # pydantic puts the union member's name in the path (e.g. messages.0.ChatCompletionRequestUserMessage.content)
+    loc = [x for x in loc if not x[:1].isupper()]
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else f"invalid request body: {msg}"), param
+
+
+def install(app: FastAPI) -> None:
+    """Answer every failure in the error shape; unexpected exceptions are logged here, not sent."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, headers=exc.headers, path=request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param, "invalid_value" if param else "invalid_body", path=request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        return error_response(status, message, None, code, headers=getattr(exc, "headers", None), path=request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); the server logged it", None,
+                              "internal_error", path=request.url.path)

@@ -1,0 +1,93 @@
+"""Prometheus text for GET /metrics: counters that only grow, gauges read at scrape time.
+
+Written by hand (the format is a few lines of text) so the server needs no client library.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from ..stats import GenerationStats
+
+KNOWN_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health", "/metrics")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, int]] = Counter()  # (route, status)
+        self.rejected: Counter[str] = Counter()  # reason
+        self.cancelled = 0
+        self.generations = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.cycles = 0
+        self.committed = 0.0  # sum of tau x cycles: tokens committed by decoding cycles
+        self.drafted = 0
+        self.accepted = 0
+        self.generation_seconds = 0.0
+        self.ttft_seconds = 0.0
+        self.ttft_count = 0
+        self.queue_seconds = 0.0
+
+    def count_request(self, path: str, status: int) -> None:
+        self.requests[(path if path in KNOWN_ROUTES else "other", status)] += 1
+
+    def count_generation(self, stats: GenerationStats, seconds: float) -> None:
+        self.generations += 1
+        self.prompt_tokens += stats.n_prompt_tokens
+        self.cached_tokens += stats.n_cached_tokens
+        self.completion_tokens += stats.n_tokens
+        self.cycles += stats.cycles
+        self.committed += stats.acceptance_length * stats.cycles
+        self.drafted += stats.n_drafted
+        self.accepted += stats.n_accepted
+        self.generation_seconds += seconds
+
+    def count_ttft(self, seconds: float) -> None:
+        self.ttft_seconds += seconds
+        self.ttft_count += 1
+
+    def render(self, *, queue_depth: int, slots_busy: int, slots: int) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{name}{labels} {_num(value)}")
+
+        metric("dflash_requests_total", "counter", "HTTP requests answered, by route and status code.",
+               [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())]
+               or [('{route="/v1/chat/completions",status="200"}', 0)])
+        metric("dflash_requests_rejected_total", "counter", "Requests refused before generation, by reason.",
+               [(f'{{reason="{r}"}}', n) for r, n in sorted(self.rejected.items())] or [('{reason="queue_full"}', 0)])
+        metric("dflash_requests_cancelled_total", "counter", "Generations stopped early (client gone, shutdown).",
+               [("", self.cancelled)])
+        metric("dflash_generations_total", "counter", "Generations that ran to their end.", [("", self.generations)])
+        metric("dflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [("", self.prompt_tokens)])
+        metric("dflash_prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's KV cache.",
+               [("", self.cached_tokens)])
+        metric("dflash_completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
+        metric("dflash_cycles_total", "counter", "Decoding cycles (one target verification each).", [("", self.cycles)])
+        metric("dflash_committed_tokens_total", "counter", "Tokens committed by decoding cycles (tau x cycles).",
+               [("", self.committed)])
+        metric("dflash_drafted_tokens_total", "counter", "Draft tokens proposed.", [("", self.drafted)])
+        metric("dflash_accepted_tokens_total", "counter", "Draft tokens the target accepted.", [("", self.accepted)])
+        metric("dflash_acceptance_length", "gauge", "tau over the server's life: committed tokens per cycle.",
+               [("", self.committed / self.cycles if self.cycles else 0.0)])
+        metric("dflash_generation_seconds_total", "counter", "Wall time of finished generations.",
+               [("", self.generation_seconds)])
+        metric("dflash_queue_seconds_total", "counter", "Time requests spent waiting for a slot.",
+               [("", self.queue_seconds)])
+        metric("dflash_time_to_first_token_seconds", "summary", "From request to its first token.",
+               [("_sum", self.ttft_seconds), ("_count", self.ttft_count)])
+        metric("dflash_queue_depth", "gauge", "Requests waiting for a slot.", [("", queue_depth)])
+        metric("dflash_slots_busy", "gauge", "Slots generating now.", [("", slots_busy)])
+        metric("dflash_slots", "gauge", "Slots (--parallel).", [("", slots)])
+        return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))

@@ -1,0 +1,131 @@
+"""The OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions, streamed (SSE) and not.
+
+Shapes are llama_cpp's (llama_cpp.llama_types); every response also carries llama-server's `timings`
+and the namespaced `dflash` figures: in the body, or in the last chunk of a stream (and in the usage
+chunk when stream_options.include_usage asks for one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from llama_cpp.llama_types import CreateChatCompletionResponse, CreateCompletionResponse
+from llama_cpp.server.types import ModelList
+
+from .engine import Engine, Finished, Run
+from .errors import APIError, error_body
+from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
+from .sse import stream_response
+
+
+def check_model(engine: Engine, model: str | None) -> None:
+    cfg = engine.config
+    if model and model != cfg.model_alias and not cfg.accept_any_model:
+        raise APIError(404, f"the model {model!r} does not exist here; this server serves {cfg.model_alias!r}",
+                       param="model", code="model_not_found")
+
+
+def _usage(f: Finished) -> dict[str, int]:
+    return {"prompt_tokens": f.n_prompt, "completion_tokens": len(f.tokens), "total_tokens": f.n_prompt + len(f.tokens)}
+
+
+def router(engine: Engine) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        out: ModelList = {"object": "list", "data": [{"id": engine.config.model_alias, "object": "model", "owned_by": "dflash-gguf",
+                                            "permissions": []}]}
+        out["data"][0]["created"] = engine.config.created  # OpenAI's field, absent from llama_cpp's ModelData
+        return out
+
+    @r.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(engine, body.model)
+        job = chat_job(body)
+        run = await engine.start(engine.prepare(job), request)
+        header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        if job.stream:
+            return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage)))
+        f = await _finish(run)
+        out: CreateChatCompletionResponse = {
+            **header, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text}, "logprobs": None,
+                         "finish_reason": f.finish_reason}],
+            "usage": _usage(f),
+        }
+        return {**out, "timings": f.timings, "dflash": f.dflash}
+
+    @r.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(engine, body.model)
+        job = completion_job(body)
+        run = await engine.start(engine.prepare(job), request)
+        header = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        if job.stream:
+            return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage)))
+        f = await _finish(run)
+        out: CreateCompletionResponse = {
+            **header, "object": "text_completion",
+            "choices": [{"text": f.text, "index": 0, "logprobs": None, "finish_reason": f.finish_reason}],
+            "usage": _usage(f),
+        }
+        return {**out, "timings": f.timings, "dflash": f.dflash}
+
+    return r
+
+
+_CANCELLED = APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+
+
+async def _finish(run: Run) -> Finished:
+    async for event in run.events():
+        if isinstance(event, Finished):
+            return event
+    raise _CANCELLED
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """SSE events for OpenAI chunks; a failure after the headers went out becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield {"data": json.dumps(chunk, ensure_ascii=False)}
+    except APIError as e:
+        yield {"data": json.dumps(error_body(e.status, e.message, e.param, e.code))}
+    yield {"data": "[DONE]"}
+
+
+async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    head = {**header, "object": "chat.completion.chunk"}
+    yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]}
+    async for event in run.events():
+        if isinstance(event, Finished):
+            last = {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+                    "timings": event.timings, "dflash": event.dflash}
+            yield last
+            if include_usage:
+                yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
+            return
+        if event.text:
+            yield {**head, "choices": [{"index": 0, "delta": {"content": event.text}, "logprobs": None,
+                                        "finish_reason": None}]}
+    raise _CANCELLED
+
+
+async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    head = {**header, "object": "text_completion"}
+    async for event in run.events():
+        if isinstance(event, Finished):
+            yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": event.finish_reason}],
+                   "timings": event.timings, "dflash": event.dflash}
+            if include_usage:
+                yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
+            return
+        if event.text:
+            yield {**head, "choices": [{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}]}
+    raise _CANCELLED

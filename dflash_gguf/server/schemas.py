@@ -1,0 +1,221 @@
+"""Request models: llama_cpp.server's OpenAI types, extended with what newer clients send, and the Anthropic Messages request.
+
+What the Session cannot do is refused with a 400 naming the field, never dropped: penalties, logit
+bias, grammars, logprobs, n > 1, and tools (the chat path renders no tool definitions and parses no
+tool calls). Parameters left at their neutral value are accepted, since clients send the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, List, Literal, Optional, Union
+
+import llama_cpp
+from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import APIError
+
+Message = dict[str, str]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+_OpenAIMessage = Annotated[
+    Union[
+        llama_cpp.ChatCompletionRequestSystemMessage,
+        llama_cpp.ChatCompletionRequestUserMessage,
+        llama_cpp.ChatCompletionRequestAssistantMessage,
+        llama_cpp.ChatCompletionRequestToolMessage,
+        llama_cpp.ChatCompletionRequestFunctionMessage,
+    ],
+    Field(discriminator="role"),
+]
+
+# the sampling fields, bounded where the Session's sampler is (the base types leave temperature open)
+_temperature = Field(default=0.8, ge=0.0, le=2.0)
+_top_k = Field(default=40, ge=0)
+
+
+class ChatCompletionRequest(CreateChatCompletionRequest):
+    """POST /v1/chat/completions: llama_cpp.server's request plus stream_options and max_completion_tokens."""
+
+    messages: List[_OpenAIMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    stream_options: Optional[StreamOptions] = None
+    temperature: float = _temperature
+    top_k: int = _top_k
+    # neutral defaults: the Session applies none of these, so only their neutral value is accepted
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, ge=0.0)
+    parallel_tool_calls: Optional[bool] = None
+
+
+class CompletionRequest(CreateCompletionRequest):
+    """POST /v1/completions: llama_cpp.server's request plus stream_options."""
+
+    prompt: Union[str, List[str]] = Field(description="The prompt to complete (one).")
+    stream_options: Optional[StreamOptions] = None
+    temperature: float = _temperature
+    top_k: int = _top_k
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, ge=0.0)
+
+
+# -- Anthropic Messages ------------------------------------------------------------------------
+class AnthropicBlock(BaseModel):
+    """A content block; only text is accepted, the others are refused by name."""
+
+    model_config = ConfigDict(extra="allow")  # cache_control, citations...
+    type: str
+    text: Optional[str] = None
+
+
+class AnthropicMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: Union[str, List[AnthropicBlock]]
+
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages."""
+
+    model: str
+    messages: List[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Optional[Union[str, List[AnthropicBlock]]] = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    stop_sequences: Optional[List[str]] = None
+    stream: bool = False
+    metadata: Optional[dict[str, Any]] = None
+    tools: Optional[List[dict[str, Any]]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+
+
+# -- what the Session is asked ------------------------------------------------------------------
+@dataclass
+class Job:
+    """One request, reduced to what a Session takes: chat messages or a raw prompt, and generation arguments."""
+
+    messages: list[Message] | None
+    prompt: str | None
+    gen: dict[str, Any]
+    user_stops: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
+    return APIError(400, f"{param}: {why}", param=param, code=code)
+
+
+def _check_neutral(req: BaseModel, neutral: dict[str, Any]) -> None:
+    for name, value in neutral.items():
+        got = getattr(req, name, None)
+        if got not in (None, value) and not (isinstance(value, tuple) and got in value):
+            raise _refuse(name, f"not supported by dflash-serve (got {got!r}); leave it unset")
+
+
+def _stops(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise _refuse(param, "stop strings must be non-empty", "invalid_value")
+    return stops
+
+
+def _text_parts(content: Any, param: str) -> str:
+    """An OpenAI message content: a string, or a list of text parts (joined); images are refused."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") != "text":
+            raise _refuse(f"{param}.{i}.type", f"content part {part.get('type')!r} is not supported: text only")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+def chat_job(req: ChatCompletionRequest) -> Job:
+    if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call is not None:
+        name = "tools" if req.tools else "functions" if req.functions else "tool_choice" if req.tool_choice else "function_call"
+        raise _refuse(name, "tool and function calling is not supported: the chat template path renders no tool "
+                            "definitions and parses no tool calls", "tools_unsupported")
+    _check_neutral(req, {
+        "n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
+    })
+    if req.logit_bias:
+        raise _refuse("logit_bias", "not supported by dflash-serve")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise _refuse("response_format", "only {'type': 'text'} is supported")
+    messages: list[Message] = []
+    for i, m in enumerate(req.messages):
+        role = m["role"]
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise _refuse(f"messages.{i}", "tool and function messages are not supported", "tools_unsupported")
+        messages.append({"role": role, "content": _text_parts(m.get("content"), f"messages.{i}.content")})
+    max_tokens = req.max_completion_tokens or req.max_tokens or None
+    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    gen["max_tokens"] = max_tokens
+    stops = _stops(req.stop)
+    return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+
+def completion_job(req: CompletionRequest) -> Job:
+    _check_neutral(req, {
+        "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
+        "echo": False, "suffix": None,
+    })
+    if req.logit_bias:
+        raise _refuse("logit_bias", "not supported by dflash-serve")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise _refuse("prompt", f"one prompt per request (got {len(prompt)})")
+        prompt = prompt[0]
+    if not prompt:
+        raise _refuse("prompt", "the prompt is empty", "invalid_value")
+    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    gen["max_tokens"] = req.max_tokens or None  # 0 or None: up to the end of the context (llama_cpp's rule)
+    return Job(None, prompt, gen, _stops(req.stop), req.stream,
+               bool(req.stream_options and req.stream_options.include_usage))
+
+
+def messages_job(req: MessagesRequest) -> Job:
+    if req.tools or req.tool_choice:
+        raise _refuse("tools" if req.tools else "tool_choice", "tool use is not supported: the chat template "
+                      "path renders no tool definitions and parses no tool calls", "tools_unsupported")
+    if req.thinking and req.thinking.get("type") not in (None, "disabled"):
+        raise _refuse("thinking", "extended thinking is not supported")
+    messages: list[Message] = []
+    if req.system:
+        messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        messages.append({"role": m.role, "content": _anthropic_text(m.content, f"messages.{i}.content")})
+    gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None)
+    gen["max_tokens"] = req.max_tokens
+    return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True)
+
+
+def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, block in enumerate(content):
+        if block.type != "text":
+            raise _refuse(f"{param}.{i}.type", f"content block {block.type!r} is not supported: text only",
+                          "tools_unsupported" if block.type.startswith("tool") else "unsupported_parameter")
+        texts.append(block.text or "")
+    return "".join(texts)
+
+
+def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict[str, Any]:
+    return {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k), "seed": seed}

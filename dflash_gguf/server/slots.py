@@ -1,0 +1,112 @@
+"""The slot pool: one Session per slot, a bounded FIFO of waiting requests, prefix-aware routing.
+
+Runs on the event loop only (no locks): a request takes a free slot at once when nobody waits,
+otherwise joins the queue, or gets 429 when the queue is full (503 once the server is closing).
+Among free slots it takes the one whose cached tokens its prompt extends the most, so that a
+multi-turn chat keeps landing on the slot that holds its KV; ties go to the least recently used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..session import Session
+from .errors import APIError
+
+
+@dataclass(eq=False)
+class Slot:
+    id: int
+    session: Session
+    cached: list[int] = field(default_factory=list)  # prompt + reply tokens of its last request
+    last_used: float = 0.0
+    busy: bool = False
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        n, limit = 0, min(len(self.cached), len(tokens))
+        while n < limit and self.cached[n] == tokens[n]:
+            n += 1
+        return n
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tokens: Sequence[int]
+    future: asyncio.Future
+
+
+class SlotPool:
+    def __init__(self, sessions: Sequence[Session], max_queue: int) -> None:
+        if not sessions:
+            raise ValueError("the pool needs at least one Session")
+        self.slots = [Slot(i, s) for i, s in enumerate(sessions)]
+        self.max_queue = max_queue
+        self._waiting: deque[_Waiter] = deque()
+        self.closing = False
+        self._durations: deque[float] = deque(maxlen=32)  # recent request times, for Retry-After
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def retry_after(self) -> int:
+        """Seconds until a queued request would likely start: the queue drained at the recent pace."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
+        return max(1, math.ceil(mean * (len(self._waiting) + 1) / len(self.slots)))
+
+    async def acquire(self, tokens: Sequence[int]) -> Slot:
+        if self.closing:
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        free = [s for s in self.slots if not s.busy]
+        if free and not self._waiting:
+            return self._take(max(free, key=lambda s: (s.shared_prefix(tokens), -s.last_used)))
+        if len(self._waiting) >= self.max_queue:
+            raise APIError(429, f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests are "
+                           "waiting (the queue is full); retry later", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after())})
+        waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result(), None)  # handed a slot just as the client left
+            raise
+
+    def _take(self, slot: Slot) -> Slot:
+        slot.busy = True
+        return slot
+
+    def release(self, slot: Slot, cached: list[int] | None, duration_s: float | None = None) -> None:
+        """The slot's generation has ended (its thread is done with the Session): hand it on."""
+        if cached is not None:
+            slot.cached = cached
+        if duration_s is not None:
+            self._durations.append(duration_s)
+        slot.last_used = time.monotonic()
+        slot.busy = False
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.future.done():
+                waiter.future.set_result(self._take(slot))
+                return
+
+    def close(self) -> None:
+        """Refuse new requests and every waiting one with 503; running generations are the app's to cancel."""
+        self.closing = True
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"}))
