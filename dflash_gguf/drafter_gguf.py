@@ -656,7 +656,7 @@ def _check_d2t(h: Hparams, header: GGUFHeader, fail: _Fail) -> None:
         raise fail(Tensors.D2T, f"must be 1-D, has shape {list(d2t.shape)}")
     if Tensors.OUTPUT not in tensors:
         raise fail(Tensors.D2T, f"a reduced vocabulary needs the drafter's own {Tensors.OUTPUT} (the target's head has the full vocabulary)")
-    ids = np.frombuffer(header.buffer, dtype="<i8", count=math.prod(d2t.shape), offset=d2t.offset)
+    ids = np.frombuffer(header.buffer, dtype="<i8", count=math.prod(d2t.shape), offset=d2t.offset).copy()
     if h.n_vocab is not None and h.n_draft is not None and h.n_draft > h.n_vocab:
         raise fail(Tensors.D2T, f"{h.n_draft} draft rows for a vocabulary of {h.n_vocab}")
     if ids.size:
@@ -687,7 +687,10 @@ def check_drafter_gguf(path: str | Path) -> set[str]:
     try:
         return _check(header, fail)
     finally:
-        header.buffer.close()
+        try:
+            header.buffer.close()
+        except BufferError:  # a view still referenced (by a traceback's frame): the map closes when it is collected
+            pass
 
 
 def _check(header: GGUFHeader, fail: _Fail) -> set[str]:
