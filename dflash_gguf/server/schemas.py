@@ -95,6 +95,7 @@ class MessagesRequest(BaseModel):
     tools: Optional[List[dict[str, Any]]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None
 
 
 # -- what the Session is asked ------------------------------------------------------------------
@@ -193,6 +194,8 @@ def messages_job(req: MessagesRequest) -> Job:
     if req.tools or req.tool_choice:
         raise _refuse("tools" if req.tools else "tool_choice", "tool use is not supported: the chat template "
                       "path renders no tool definitions and parses no tool calls", "tools_unsupported")
+    if req.output_format is not None:
+        raise _refuse("output_format", "structured output is not supported")
     if req.thinking and req.thinking.get("type") not in (None, "disabled"):
         raise _refuse("thinking", "extended thinking is not supported")
     messages: list[Message] = []
