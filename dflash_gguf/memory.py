@@ -31,13 +31,15 @@ MAX_TURN_CHECKPOINTS = 4  # prompt-end and end-of-turn checkpoints kept for pref
 def rs_seq_for(max_block: int, n_batch: int | None = None) -> int:
     """n_rs_seq for a target whose verify batches are at most `max_block` tokens (the drafter's block size).
 
-    A verify keeps at least its first token, so it rolls back at most max_block - 1; the loop also caps a
-    block at one batch.
+    A verify keeps at least its first token, so it rolls back at most max_block - 1. libllama also needs
+    n_rs_seq + 1 < n_ubatch (= n_batch here): a block as long as the batch rolls back with a checkpoint.
     """
     if not isinstance(max_block, int) or max_block < 1:
         raise ValueError(f"max_block must be an integer >= 1, got {max_block!r}")
-    block = max_block if n_batch is None else min(max_block, n_batch)
-    return max(0, block - 1)
+    n = max_block - 1
+    if n_batch is not None:
+        n = min(n, n_batch - 2)
+    return max(0, n)
 
 
 @dataclass(frozen=True)

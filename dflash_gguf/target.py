@@ -94,6 +94,9 @@ def new_context(
         raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {n_seq_max}")
     if not isinstance(n_rs_seq, int) or isinstance(n_rs_seq, bool) or n_rs_seq < 0:
         raise ValueError(f"n_rs_seq must be an integer >= 0, got {n_rs_seq!r}")
+    if n_rs_seq and n_rs_seq + 1 >= n_batch:
+        # libllama keeps the last n_rs_seq + 1 tokens of a sequence in one ubatch and aborts otherwise
+        raise ValueError(f"n_rs_seq must be <= n_batch - 2 = {n_batch - 2}, got {n_rs_seq}")
     threads = default_threads() if n_threads is None else n_threads
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
