@@ -182,15 +182,21 @@ def rebuild_from_archive(cfg: TrainConfig, caches: dict[str, FeatureCache], *, p
                 if not todo[name]:
                     continue
                 bar = tqdm(total=len(todo[name]), desc=f"prefill {name}", unit="seq", disable=not progress, dynamic_ncols=True)
+                last = [0, 0, 0.0]
 
-                def report(n_seq: int, n_rows: int, seconds: float, bar=bar) -> None:
+                def report(n_seq: int, n_rows: int, seconds: float, bar=bar, last=last) -> None:
+                    last[:] = [n_seq, n_rows, seconds]
                     bar.set_postfix(tok_s=f"{n_rows / max(seconds, 1e-9):.0f}", refresh=False)
                     bar.update(n_seq - bar.n)
 
-                n, rows, secs = rebuild(target, caches[name], todo[name], progress=report)
-                bar.close()
-                _log_rate(cfg, {"stage": "prefill", "cache": name, "sequences": n, "rows": rows, "seconds": round(secs, 2),
-                                "rows_per_s": round(rows / max(secs, 1e-9), 1), "threads": cfg.threads, "n_batch": cfg.prefill_batch})
+                try:
+                    rebuild(target, caches[name], todo[name], progress=report)
+                finally:
+                    bar.close()
+                    if last[2] > 0:  # an interrupted rebuild reports its rate too
+                        _log_rate(cfg, {"stage": "prefill", "cache": name, "sequences": last[0], "rows": last[1],
+                                        "seconds": round(last[2], 2), "rows_per_s": round(last[1] / last[2], 1),
+                                        "threads": cfg.threads, "n_batch": cfg.prefill_batch})
     finally:
         target.close()
 
