@@ -7,9 +7,11 @@ and caches, shared weights). Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port = sock.getsockname()[:2]
         print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
               file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,
+        server = _server_class(uvicorn)(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,
                                                access_log=a.log_level == "debug"))
         server.run(sockets=[sock])
     finally:
@@ -157,6 +159,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in sessions:
             s.close()
     return 0
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT/SIGTERM are not re-raised once the shutdown is done, so
+        the Sessions are closed in order and the exit status is 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _url_host(host: str) -> str:
