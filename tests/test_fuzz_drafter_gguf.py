@@ -8,7 +8,7 @@ tokens speculatively (so graph-time asserts are reached too). Pass: the process 
 either generated or refused the file with a ValueError that names it. Fail: a C abort or signal,
 a traceback, or a hang (timeout).
 
-Budget: DFLASH_FUZZ_EXAMPLES (default 4) per test; the long run and its numbers: docs/RELIABILITY.md.
+Budget: DFLASH_FUZZ_EXAMPLES (default 3) per test; the long run and its numbers: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.target_gguf import FastGGUFReader, _field_value
 
-EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "4"))
+EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "3"))
 REPORT = os.environ.get("DFLASH_FUZZ_REPORT")  # a JSON-lines file each case's outcome is appended to
 CASE_TIMEOUT_S = 180
 

@@ -1,0 +1,383 @@
+"""Property-based fuzzing of dflash-convert through its real command line, one process per case.
+
+Families: config.json mutations (any key set to any JSON value, keys deleted, the whole file replaced,
+deep nesting), safetensors header mutations (data_offsets shifted, into the header, overlapping,
+three entries, floats, negative; dtypes and shapes changed; keys duplicated; the length prefix and the
+file cut), and OUT naming one of the inputs (by path, symlink or hard link, with --force).
+
+Pass: exit 0 with an output whose tensors equal what the safetensors library reads from the same file
+(so no silent corruption), or exit 2 with exactly one stderr line and no output; in both cases no
+temp file left and every input byte-identical. Fail: anything else (traceback, other exit code,
+signal, hang past the timeout, changed input, leftover).
+
+Budget: DFLASH_FUZZ_EXAMPLES (default 4) per test; the long run and its numbers: docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "4"))
+REPORT = os.environ.get("DFLASH_FUZZ_REPORT")
+CASE_TIMEOUT_S = 120
+
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, database=None, derandomize=EXAMPLES <= 20,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _digest(paths: list[Path]) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths if p.is_file()}
+
+
+def report(family: str, outcome: str, detail: Any) -> None:
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps({"family": family, "outcome": outcome, "detail": detail}, default=str) + "\n")
+
+
+def convert(*args: str | Path, timeout: float = CASE_TIMEOUT_S) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run([sys.executable, "-m", "dflash_gguf.convert", *map(str, args), "--no-progress"],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def leftovers(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if p.name.endswith(".tmp")]
+
+
+def independent_tensors(ckpt: Path) -> dict[str, np.ndarray] | None:
+    """GGUF name -> float32 values by the safetensors library, or None if it refuses the file."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_gguf.schema import gguf_tensor_name
+
+    try:
+        out = {}
+        for file in sorted(ckpt.glob("*.safetensors")):
+            for name, t in load_file(file).items():
+                out[gguf_tensor_name(name) or name] = t.to(torch.float32).numpy() if t.is_floating_point() else t.numpy()
+        return out
+    except Exception:  # noqa: BLE001 - the reference reader refusing is the fact we record
+        return None
+
+
+def judge(family: str, case: dict, ckpt: Path, out: Path, inputs: list[Path], before: dict[str, str],
+          p: subprocess.CompletedProcess | None, *, check_values: bool = False, out_existed: bool = False) -> str:
+    """Classify one run; assert it is one of the two good outcomes."""
+    problems = []
+    if p is None:
+        outcome = "hang"
+    elif "Traceback" in p.stderr:
+        outcome = "traceback"
+    elif p.returncode == 2:
+        outcome = "refused"
+        lines = p.stderr.strip().splitlines()
+        if len(lines) != 1 or not lines[0].startswith("dflash-convert: error: "):
+            problems.append(f"not one line: {p.stderr[-500:]!r}")
+        if out.exists() and not out_existed:
+            problems.append("output written on failure")
+    elif p.returncode == 0:
+        outcome = "converted"
+        if not out.is_file():
+            problems.append("exit 0 without output")
+        elif check_values:
+            problems += _corruption(ckpt, out)
+    else:
+        outcome = "crash"
+    if leftovers(out.parent) or leftovers(ckpt):
+        problems.append(f"leftover temp files {leftovers(out.parent) + leftovers(ckpt)}")
+    after = _digest(inputs)
+    if after != before:
+        problems.append("an input changed (data loss)")
+    report(family, outcome if not problems else "bad:" + outcome, {**case, "problems": problems,
+           "stderr": (p.stderr.strip().splitlines() or [""])[-1][:300] if p else ""})
+    assert outcome in ("refused", "converted") and not problems, (outcome, problems, case, p.stderr[-1500:] if p else "")
+    return outcome
+
+
+def _corruption(ckpt: Path, out: Path) -> list[str]:
+    """A converted output must hold exactly what the safetensors library reads (and it must accept the file)."""
+    from checkpoints import gguf_tensors
+
+    expected = independent_tensors(ckpt)
+    if expected is None:
+        return ["converted a file the safetensors library refuses (silent corruption)"]
+    written = gguf_tensors(out)
+    problems = []
+    for name, (_, got) in written.items():
+        want = expected.get(name)
+        if name == "d2t":
+            continue
+        if want is None or got.shape != want.shape or not np.allclose(got, want, rtol=2**-8, atol=0, equal_nan=True):
+            problems.append(f"tensor {name} differs from the checkpoint (silent corruption)")
+    return problems
+
+
+@pytest.fixture()
+def ckpt(reference_checkpoint, tmp_path) -> Path:
+    return Path(shutil.copytree(reference_checkpoint, tmp_path / "ckpt"))
+
+
+# --- config.json -------------------------------------------------------------------------------------------------
+
+CONFIG_KEYS = [
+    "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hidden_act",
+    "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor", "rope_is_neox_style",
+    "use_sliding_window", "sliding_window", "layer_types", "is_causal", "draft_vocab_size", "num_target_layers",
+    "dflash_config", "tie_word_embeddings",
+]
+DFLASH_KEYS = [
+    "block_size", "mask_token_id", "target_layer_ids", "attention_value_scale", "output_multiplier",
+    "final_logit_softcapping", "input_embedding_scale", "use_swa", "swa_window_size", "causal", "rms_norm_eps",
+    "conv_kernel_size", "num_target_layers",
+]
+ROPE_KEYS = ["rope_theta", "partial_rotary_factor", "rope_type"]
+
+SCALARS = st.one_of(
+    st.none(), st.booleans(),
+    st.sampled_from([0, 1, 2, -1, 16, 29, 30, 49151, 49152, 576, 512, 513, 2**31, 2**32, 2**64, 10**400]),
+    st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.5, 1.5, -0.0, 1e-300, 1e308]),
+    st.text(max_size=8), st.sampled_from(["silu", "gelu", "relu", "DFlashDraftModel", "sliding_attention", "16"]),
+)
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                     st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=12)
+
+CONFIG_MUTATION = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(CONFIG_KEYS), JSON),
+    st.tuples(st.just("set_dflash"), st.sampled_from(DFLASH_KEYS), JSON),
+    st.tuples(st.just("set_rope"), st.sampled_from(ROPE_KEYS), JSON),
+    st.tuples(st.just("delete"), st.sampled_from(CONFIG_KEYS), st.none()),
+    st.tuples(st.just("delete_dflash"), st.sampled_from(DFLASH_KEYS), st.none()),
+    st.tuples(st.just("replace"), st.just("config"), JSON),
+    st.tuples(st.just("raw"), st.sampled_from(["deep", "nan", "dup", "bom", "latin1", "empty"]), st.integers(1, 200000)),
+)
+
+
+def apply_config(path: Path, mutations: list) -> None:
+    text = path.read_text()
+    config = json.loads(text)
+    raw = None
+    for op, key, value in mutations:
+        if op == "set":
+            config[key] = value
+        elif op == "set_dflash":
+            if not isinstance(config.get("dflash_config"), dict):
+                config["dflash_config"] = {}
+            config["dflash_config"][key] = value
+        elif op == "set_rope":
+            if not isinstance(config.get("rope_parameters"), dict):
+                config["rope_parameters"] = {}
+            config["rope_parameters"][key] = value
+        elif op == "delete":
+            config.pop(key, None)
+        elif op == "delete_dflash" and isinstance(config.get("dflash_config"), dict):
+            config["dflash_config"].pop(key, None)
+        elif op == "replace":
+            config = value
+        elif op == "raw":
+            body = json.dumps(config)
+            raw = {
+                "deep": ("[" * value) + ("]" * value),
+                "nan": body.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN'),
+                "dup": body[:-1] + ', "hidden_size": 64}',
+                "bom": "\ufeff" + body,
+                "latin1": None,
+                "empty": "",
+            }[key]
+            if key == "deep" and value % 2:
+                raw = '{"dflash_config": ' + ('{"a": ' * value) + "1" + ("}" * value) + "}"
+            if key == "latin1":
+                path.write_bytes(body.encode()[:-1] + b', "x": "\xe9"}')
+                return
+    path.write_text(raw if raw is not None else json.dumps(config))
+
+
+@FUZZ_SETTINGS
+@given(mutations=st.lists(CONFIG_MUTATION, min_size=1, max_size=3))
+def test_config_mutations_are_converted_or_refused_in_one_line(reference_checkpoint, tmp_path_factory, mutations):
+    d = tmp_path_factory.mktemp("cfg")
+    ckpt = Path(shutil.copytree(reference_checkpoint, d / "ckpt"))
+    apply_config(ckpt / "config.json", mutations)
+    out = d / "out" / "drafter.gguf"
+    out.parent.mkdir()
+    inputs = [ckpt / "config.json", ckpt / "model.safetensors"]
+    before = _digest(inputs)
+    judge("convert-config", {"mutations": repr(mutations)[:400]}, ckpt, out, inputs, before, convert(ckpt, out))
+
+
+# --- safetensors header ------------------------------------------------------------------------------------------
+
+HEADER_MUTATION = st.one_of(
+    st.tuples(st.just("offsets"), st.integers(0, 10**6),
+              st.sampled_from(["shift", "into_header", "overlap", "three", "float", "negative", "swap", "end_past", "one", "strings"]),
+              st.integers(-4096, 4096)),
+    st.tuples(st.just("dtype"), st.integers(0, 10**6), st.sampled_from(["F32", "F16", "BF16", "I64", "I8", "U8", "BOOL", "F8_E4M3", "X", 7]), st.none()),
+    st.tuples(st.just("shape"), st.integers(0, 10**6), st.sampled_from(["swap", "one_more", "zero", "negative", "float", "empty", "huge"]), st.none()),
+    st.tuples(st.just("duplicate"), st.integers(0, 10**6), st.none(), st.none()),
+    st.tuples(st.just("length"), st.none(), st.sampled_from(["+1", "-1", "huge", "zero", "file"]), st.none()),
+    st.tuples(st.just("cut"), st.none(), st.floats(0.0, 1.0), st.none()),
+    st.tuples(st.just("metadata"), st.none(), st.sampled_from(["list", "nested", "number"]), st.none()),
+)
+
+
+def apply_header(path: Path, mutations: list) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    names = sorted(k for k in header if k != "__metadata__")
+    length_edit = cut = None
+    dup = None
+    for op, index, how, amount in mutations:
+        name = names[index % len(names)] if index is not None else None
+        entry = header.get(name) if name else None
+        if op == "offsets":
+            begin, end = entry["data_offsets"]
+            other = header[names[(index + 1) % len(names)]]["data_offsets"]
+            entry["data_offsets"] = {
+                "shift": [begin + amount, end + amount],
+                "into_header": [-(n // 2), -(n // 2) + (end - begin)],
+                "overlap": [other[0], other[0] + (end - begin)],
+                "three": [begin, end, end],
+                "float": [float(begin), float(end)],
+                "negative": [-1, end - begin - 1],
+                "swap": [end, begin],
+                "end_past": [begin, len(data) + abs(amount) + 1],
+                "one": [begin],
+                "strings": [str(begin), str(end)],
+            }[how]
+        elif op == "dtype":
+            entry["dtype"] = how
+        elif op == "shape":
+            shape = list(entry["shape"])
+            entry["shape"] = {
+                "swap": shape[::-1], "one_more": shape + [1], "zero": [0] + shape[1:], "negative": [-1] + shape[1:],
+                "float": [float(s) for s in shape], "empty": [], "huge": [2**62] + shape[1:],
+            }[how]
+        elif op == "duplicate":
+            dup = name
+        elif op == "length":
+            length_edit = how
+        elif op == "cut":
+            cut = how
+        elif op == "metadata":
+            header["__metadata__"] = {"list": [1, 2], "nested": {"a": {"b": 1}}, "number": 3}[how]
+    text = json.dumps(header, separators=(",", ":"))
+    if dup is not None:
+        entry_text = json.dumps({dup: header[dup]}, separators=(",", ":"))[1:-1]
+        text = text[:-1] + "," + entry_text + "}"
+    body = text.encode()
+    body += b" " * ((8 - len(body) % 8) % 8)
+    length = len(body)
+    if length_edit is not None:
+        length = {"+1": length + 1, "-1": length - 1, "huge": 2**63, "zero": 0, "file": len(body) + len(data)}[length_edit]
+    blob = length.to_bytes(8, "little") + body + data
+    if cut is not None:
+        blob = blob[: int(len(blob) * cut)]
+    path.write_bytes(blob)
+
+
+@FUZZ_SETTINGS
+@given(mutations=st.lists(HEADER_MUTATION, min_size=1, max_size=3))
+def test_safetensors_header_mutations_never_corrupt_silently(reference_checkpoint, tmp_path_factory, mutations):
+    d = tmp_path_factory.mktemp("st")
+    ckpt = Path(shutil.copytree(reference_checkpoint, d / "ckpt"))
+    apply_header(ckpt / "model.safetensors", mutations)
+    out = d / "out" / "drafter.gguf"
+    out.parent.mkdir()
+    inputs = [ckpt / "config.json", ckpt / "model.safetensors"]
+    before = _digest(inputs)
+    judge("convert-safetensors", {"mutations": repr(mutations)[:400]}, ckpt, out, inputs, before,
+          convert(ckpt / "model.safetensors", out), check_values=True)
+
+
+# --- OUT is an input ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory) -> Path:
+    """A metadata-only target GGUF with the embedded target's geometry (read in a fraction of a second)."""
+    from checkpoints import HIDDEN_SIZE, NUM_TARGET_LAYERS, token_fields, write_metadata_gguf
+
+    path = tmp_path_factory.mktemp("tgt") / "target.gguf"
+    return write_metadata_gguf(path, "llama", n_embd=HIDDEN_SIZE, n_layer=NUM_TARGET_LAYERS,
+                               fields=token_fields([f"t{i}" for i in range(49152)]))
+
+
+@FUZZ_SETTINGS
+@given(which=st.sampled_from(["target", "config", "safetensors", "index"]),
+       how=st.sampled_from(["same", "symlink", "hardlink", "dotted", "symlinked_dir"]),
+       force=st.booleans())
+def test_out_naming_an_input_never_replaces_it(reference_checkpoint, small_target, tmp_path_factory, which, how, force):
+    d = tmp_path_factory.mktemp("io")
+    ckpt = Path(shutil.copytree(reference_checkpoint, d / "ckpt"))
+    target = Path(shutil.copy(small_target, d / "target.gguf"))
+    src: Path = ckpt
+    if which == "index":
+        index = ckpt / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {}, "weight_map": {"fc.weight": "model.safetensors"}}))
+        src = index
+    victim = {"target": target, "config": ckpt / "config.json", "safetensors": ckpt / "model.safetensors",
+              "index": ckpt / "model.safetensors.index.json"}[which]
+    if how == "same":
+        out = victim
+    elif how == "symlink":
+        out = d / "link.gguf"
+        out.symlink_to(victim)
+    elif how == "hardlink":
+        out = d / "hard.gguf"
+        os.link(victim, out)
+    elif how == "dotted":
+        out = victim.parent / "." / ".." / victim.parent.name / victim.name
+    else:
+        (d / "alias").symlink_to(victim.parent)
+        out = d / "alias" / victim.name
+    inputs = [target, ckpt / "config.json", ckpt / "model.safetensors"] + ([src] if which == "index" else [])
+    before = _digest(inputs)
+    p = convert(src, out, "--target", target, *(["--force"] if force else []))
+    outcome = judge("convert-out-is-input", {"which": which, "how": how, "force": force}, ckpt, out, inputs, before, p,
+                    out_existed=True)
+    assert outcome == "refused"
+
+
+# --- signals -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_mid_conversion_leaves_no_temp_file(reference_checkpoint, tmp_path, signum):
+    out = tmp_path / "drafter.gguf"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_gguf.convert", str(reference_checkpoint), str(out), "--outtype", "q8_0", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background child otherwise ignores SIGINT
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".drafter.gguf.*.tmp")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the conversion finished before the temp file was seen"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    expected = 130 if signum == signal.SIGINT else 128 + signum
+    assert proc.returncode == expected, (proc.returncode, err)
+    assert len(err.strip().splitlines()) == 1 and "no output written" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
