@@ -1,0 +1,210 @@
+"""A bounded load test of dflash-serve on loopback: concurrency x requests against --parallel slots.
+
+For each --parallel P it starts `dflash-serve` as a subprocess on a free loopback port, warms it up,
+then for each concurrency C sends --requests streamed chat completions (greedy, --max-tokens each)
+from C concurrent clients, and reports aggregate tokens/s, p50/p95 time to first token and latency,
+errors, and the server's RSS before and after. It also measures the server's own overhead: the
+same requests at concurrency 1 on one slot, non-streamed, against Session.chat in this process.
+
+    python scripts/load_test_server.py                       # 1,2,4,8 x 50 against --parallel 1 and 2
+    python scripts/load_test_server.py --json out.json --concurrency 1,2 --requests 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
+    "What is 12 times 12?", "Give me a synonym for happy.", "What does a thermometer measure?",
+    "Which planet is closest to the sun?", "Write one sentence about the sea.", "What is the opposite of cold?",
+    "Name a fruit that is yellow.",
+]
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+async def one_stream(client: httpx.AsyncClient, i: int, max_tokens: int) -> dict:
+    body = {"model": "dflash", "messages": messages(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return {"error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"error": chunk["error"]["code"]}
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        return {"error": type(e).__name__}
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "latency": time.perf_counter() - t0,
+            "tokens": tokens}
+
+
+async def run_level(url: str, concurrency: int, n: int, max_tokens: int) -> dict:
+    queue = list(range(n))
+    results: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def worker() -> None:
+            while queue:
+                results.append(await one_stream(client, queue.pop(0), max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    return {
+        "concurrency": concurrency, "requests": n, "errors": len(results) - len(ok),
+        "error_kinds": sorted({r["error"] for r in results if "error" in r}),
+        "wall_s": wall, "tokens": sum(r["tokens"] for r in ok),
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "ttft_p50_ms": pct([r["ttft"] for r in ok], 50) * 1000, "ttft_p95_ms": pct([r["ttft"] for r in ok], 95) * 1000,
+        "latency_p50_ms": pct([r["latency"] for r in ok], 50) * 1000,
+        "latency_p95_ms": pct([r["latency"] for r in ok], 95) * 1000,
+    }
+
+
+class Server:
+    def __init__(self, parallel: int, extra: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dflash_gguf.server.cli", "--port", str(self.port), "--parallel", str(parallel),
+               "--queue", "64", "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"load_test_server: error: dflash-serve did not start ({' '.join(cmd)})")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(60)
+
+
+def overhead(args: argparse.Namespace, extra_gen: dict) -> dict:
+    """Session.chat in-process vs the same requests through the server, one at a time, non-streamed."""
+    from dflash_gguf import Session
+
+    n = args.overhead_requests
+    local: list[float] = []
+    with Session(args.target, args.drafter, n_threads=args.threads) as s:
+        s.chat(messages(0), max_tokens=args.max_tokens, temperature=0.0, **extra_gen)  # warm-up and calibration
+        for i in range(n):
+            t0 = time.perf_counter()
+            s.chat(messages(i), max_tokens=args.max_tokens, temperature=0.0, **extra_gen)
+            local.append(time.perf_counter() - t0)
+    server = Server(1, args.server_args)
+    remote: list[float] = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as c:
+            body = lambda i: {"messages": messages(i), "max_tokens": args.max_tokens, "temperature": 0}  # noqa: E731
+            c.post("/v1/chat/completions", json=body(0)).raise_for_status()
+            for i in range(n):
+                t0 = time.perf_counter()
+                c.post("/v1/chat/completions", json=body(i)).raise_for_status()
+                remote.append(time.perf_counter() - t0)
+    finally:
+        server.stop()
+    lm, rm = statistics.median(local), statistics.median(remote)
+    return {"requests": n, "session_chat_median_ms": lm * 1000, "server_median_ms": rm * 1000,
+            "ratio": rm / lm, "overhead_ms": (rm - lm) * 1000}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parallel", default="1,2")
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--overhead-requests", type=int, default=20)
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--threads", type=int, help="CPU threads per slot (and for the in-process Session)")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    a = p.parse_args()
+    a.server_args = (["--target", a.target] if a.target else []) + (["--drafter", a.drafter] if a.drafter else []) \
+        + (["--threads", str(a.threads)] if a.threads else [])
+    out = {"max_tokens": a.max_tokens, "threads": a.threads, "cpu_count": os.cpu_count(), "load_before": os.getloadavg()[0], "runs": []}
+    out["overhead"] = overhead(a, {})
+    print(f"overhead: Session.chat {out['overhead']['session_chat_median_ms']:.1f} ms, server "
+          f"{out['overhead']['server_median_ms']:.1f} ms, ratio {out['overhead']['ratio']:.3f}", flush=True)
+    for parallel in map(int, a.parallel.split(",")):
+        server = Server(parallel, a.server_args)
+        try:
+            asyncio.run(run_level(server.url, parallel, 2 * parallel, a.max_tokens))  # warm-up: every slot
+            before = rss_mib(server.proc.pid)
+            levels = []
+            for c in map(int, a.concurrency.split(",")):
+                level = asyncio.run(run_level(server.url, c, a.requests, a.max_tokens))
+                levels.append(level)
+                print(f"parallel {parallel} concurrency {c}: {level['tokens_per_s']:.1f} tok/s, TTFT p50/p95 "
+                      f"{level['ttft_p50_ms']:.0f}/{level['ttft_p95_ms']:.0f} ms, latency p50/p95 "
+                      f"{level['latency_p50_ms']:.0f}/{level['latency_p95_ms']:.0f} ms, errors {level['errors']}",
+                      flush=True)
+            after = rss_mib(server.proc.pid)
+        finally:
+            rc = server.stop()
+        out["runs"].append({"parallel": parallel, "rss_before_mib": before, "rss_after_mib": after, "exit_status": rc,
+                            "levels": levels})
+        print(f"parallel {parallel}: RSS {before:.1f} -> {after:.1f} MiB, exit status {rc}", flush=True)
+    out["load_after"] = os.getloadavg()[0]
+    print("\n| parallel | concurrency | tok/s | TTFT p50 | TTFT p95 | latency p50 | latency p95 | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for run in out["runs"]:
+        for lv in run["levels"]:
+            print(f"| {run['parallel']} | {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {lv['ttft_p50_ms']:.0f} ms | "
+                  f"{lv['ttft_p95_ms']:.0f} ms | {lv['latency_p50_ms']:.0f} ms | {lv['latency_p95_ms']:.0f} ms | {lv['errors']} |")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0 if all(lv["errors"] == 0 for run in out["runs"] for lv in run["levels"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
