@@ -315,3 +315,132 @@ def test_real_entry_point_exit_code_and_one_line(ckpt, out):
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "config.json" in result.stderr
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+# --- issue 15: every input the reliability probe broke the converter with -------------------------------------
+
+
+def _rewrite_header(st: Path, edit) -> None:
+    """Rewrite a safetensors header through `edit(header) -> text`, keeping the data section."""
+    raw = st.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(json.loads(raw[8 : 8 + n])).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    st.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _set_offsets(name: str, offsets):
+    def edit(header):
+        header[name]["data_offsets"] = offsets(header[name]["data_offsets"], header)
+        return json.dumps(header)
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        # offsets pointing into the JSON header: its bytes were written as weights, exit 0
+        (_set_offsets("norm.weight", lambda o, h: [-64, -64 + o[1] - o[0]]), ("norm.weight", "data_offsets")),
+        (_set_offsets("norm.weight", lambda o, h: [o[0], o[1], o[1]]), ("norm.weight", "two integers")),
+        (_set_offsets("norm.weight", lambda o, h: [float(o[0]), float(o[1])]), ("norm.weight", "two integers")),
+        (_set_offsets("norm.weight", lambda o, h: [o[0], o[0] - 1]), ("norm.weight",)),
+        (_set_offsets("norm.weight", lambda o, h: list(h["hidden_norm.weight"]["data_offsets"])), ("overlap",)),
+        (lambda h: json.dumps(h)[:-1] + ',"norm.weight":' + json.dumps(h["norm.weight"]) + "}", ("norm.weight", "twice")),
+        (lambda h: "[" * 100000 + "]" * 100000, ("nested too deeply",)),
+        (lambda h: json.dumps(h).replace('"F32"', "NaN", 1) if '"F32"' in json.dumps(h) else json.dumps(h)[:-1] + ',"x":NaN}', ("NaN",)),
+    ],
+    ids=["into-header", "three-offsets", "float-offsets", "reversed", "overlap", "duplicate-key", "deep-json", "nan"],
+)
+def test_safetensors_offsets_are_checked_against_the_data_section(capsys, ckpt, out, edit, mentions):
+    st = ckpt / "model.safetensors"
+    _rewrite_header(st, edit)
+    line = assert_bad_input(capsys, out, st, out, mentions=("model.safetensors", *mentions))
+    assert "Traceback" not in line
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        (lambda c: c.update(rope_parameters="fast"), ("rope_parameters", "object")),
+        (lambda c: c.update(rope_parameters={"rope_theta": "big"}), ("rope_theta", "number")),
+        (lambda c: c.update(rope_parameters=None, rope_theta=[1e4]), ("rope_theta", "number")),
+        (lambda c: c.update(rope_parameters={"rope_theta": -5.0}), ("rope_theta",)),
+        (lambda c: c.update(max_position_embeddings=-1), ("max_position_embeddings",)),
+        (lambda c: c.update(max_position_embeddings=2**40), ("max_position_embeddings",)),
+        (lambda c: c["dflash_config"].update(block_size=1), ("block_size",)),
+        (lambda c: c["dflash_config"].update(block_size=10**6), ("block_size",)),
+        (lambda c: c["dflash_config"].update(block_size=16.0), ("block_size", "integer")),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, -3]), ("target_layer_ids",)),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 8, 40]), ("target_layer_ids", "num_target_layers")),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 2**40]), ("target_layer_ids",)),
+        (lambda c: c["dflash_config"].update(output_multiplier="x2"), ("output_multiplier", "number")),
+        (lambda c: c["dflash_config"].update(final_logit_softcapping=[30]), ("final_logit_softcapping", "number")),
+        (lambda c: c["dflash_config"].update(input_embedding_scale=1e39), ("input_embedding_scale", "finite")),
+        (lambda c: c["dflash_config"].update(attention_value_scale=True), ("attention_value_scale", "number")),
+        (lambda c: c.update(sliding_window="64", use_sliding_window=True), ("sliding_window", "integer")),
+        (lambda c: c["dflash_config"].update(use_swa="yes"), ("use_swa", "true or false")),
+        (lambda c: c.update(architectures=[["DFlashDraftModel"]]), ("architectures",)),
+        (lambda c: c.update(architectures="DFlashDraftModel"), ("architectures",)),
+        (lambda c: c.update(rms_norm_eps=1e-50), ("rms_norm_eps", "float32")),
+        (lambda c: c.update(num_hidden_layers=600), ("num_hidden_layers",)),
+        (lambda c: c.update(num_key_value_heads=2), ("num_key_value_heads",)),
+        (lambda c: c.update(partial_rotary_factor=0.01), ("partial_rotary_factor",)),
+        (lambda c: c.update(head_dim="64"), ("head_dim", "integer")),
+        (lambda c: c.update(hidden_act=["silu"]), ("hidden_act", "string")),
+        (lambda c: c.update(is_causal="false"), ("is_causal", "true or false")),
+    ],
+)
+def test_config_keys_are_type_and_range_checked_in_one_line(capsys, ckpt, out, edit, mentions):
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", *mentions))
+
+
+@pytest.mark.parametrize("text, mentions", [
+    ('{"a": ' * 50000 + "1" + "}" * 50000, ("nested too deeply",)),
+    ('{"architectures": ["DFlashDraftModel"], "architectures": ["X"]}', ("twice",)),
+    ('{"rms_norm_eps": NaN}', ("NaN",)),
+])
+def test_malformed_config_json_is_one_line(capsys, ckpt, out, text, mentions):
+    (ckpt / "config.json").write_text(text)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", *mentions))
+
+
+def _cli(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_gguf.convert", *map(str, args), "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("which", ["model.safetensors", "config.json"])
+def test_a_fifo_input_is_one_line_not_a_hang(ckpt, out, which):
+    (ckpt / which).unlink()
+    os.mkfifo(ckpt / which)
+    result = _cli(ckpt, out, timeout=60)  # a hang fails here with TimeoutExpired
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "FIFO" in result.stderr and which in result.stderr and not out.exists()
+
+
+def test_a_device_as_target_is_one_line(capsys, reference_checkpoint, out):
+    assert_bad_input(capsys, out, reference_checkpoint, out, "--target", "/dev/zero", mentions=("/dev/zero", "device"))
+
+
+@pytest.mark.parametrize("which", ["target", "config.json", "model.safetensors"])
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_out_is_never_an_input_even_with_force(capsys, ckpt, tmp_path, which, how):
+    target = write_target(tmp_path / "target.gguf")
+    victim = target if which == "target" else ckpt / which
+    before = victim.read_bytes()
+    if how == "same":
+        out = victim
+    elif how == "symlink":
+        out = tmp_path / "link.gguf"
+        out.symlink_to(victim)
+    else:
+        out = tmp_path / "hard.gguf"
+        os.link(victim, out)
+    code, err = run_cli(capsys, ckpt, out, "--target", target, "--force", "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "one of the inputs" in err, err
+    assert victim.read_bytes() == before
+    assert not list(tmp_path.rglob("*.tmp"))
