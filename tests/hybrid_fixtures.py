@@ -20,8 +20,7 @@ from typing import Sequence
 
 import torch
 
-LLAMA_CPP_SRC = Path(os.environ.get("DFLASH_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
-"""The upstream sources whose convert_hf_to_gguf.py builds the fixtures."""
+from upstream import LLAMA_CPP_SRC  # noqa: E402  (the upstream sources whose converter builds the fixtures)
 
 HIDDEN = 64
 N_LAYER = 4

@@ -223,7 +223,9 @@ def test_dspark_tensor_names_are_the_ones_upstreams_converter_maps():
     import sys
     from pathlib import Path
 
-    candidates = [Path("/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py")]
+    from upstream import LLAMA_CPP_SRC
+
+    candidates = [LLAMA_CPP_SRC / "gguf-py"]
     root = next((c for c in candidates if (c / "gguf" / "tensor_mapping.py").is_file()), None)
     if root is None:
         pytest.skip("llama.cpp's gguf-py sources are not on this machine")
