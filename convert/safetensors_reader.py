@@ -3,7 +3,7 @@
 The header is parsed here, not by gguf-py's `SafetensorsLocal`, which trusts it: each
 tensor's dtype, shape and `data_offsets` are checked against the file's data section
 (exactly two integers, start >= 0, end <= the section's size, end - start = shape x dtype,
-no two tensors overlapping, no name twice). A truncated, corrupt or crafted checkpoint fails
+no two tensors overlapping, no name twice, together tiling the section as the format requires). A truncated, corrupt or crafted checkpoint fails
 with one clear line instead of being written as weights. Only regular files are opened:
 a FIFO or a device named as a checkpoint is refused, never read (reading one can block forever).
 """
@@ -181,8 +181,8 @@ def read_safetensors_index(path: Path) -> dict[str, CheckpointTensor]:
     extents: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
-            if not isinstance(entry, dict):
-                raise ConversionError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise ConversionError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)")
             continue
         if not isinstance(entry, dict):
             raise ConversionError(f"{path}: corrupt safetensors header (entry {name} is not an object)")
@@ -216,4 +216,15 @@ def read_safetensors_index(path: Path) -> dict[str, CheckpointTensor]:
     for (_, prev_end, prev_name), (begin, _, name) in zip(extents, extents[1:]):
         if begin < prev_end:
             raise ConversionError(f"{path}: corrupt safetensors: tensors {prev_name} and {name} overlap")
+        if begin > prev_end:
+            raise ConversionError(f"{path}: corrupt safetensors: {begin - prev_end} bytes between tensors {prev_name} and {name} belong to none")
+    # the format's own rule (the safetensors library enforces it): the tensors tile the data section exactly.
+    # A header length off by a few bytes shifts every offset and still parses; only this catches it.
+    covered_from = extents[0][0] if extents else 0
+    covered_to = extents[-1][1] if extents else 0
+    if covered_from != 0 or covered_to != data_size:
+        raise ConversionError(
+            f"{path}: corrupt safetensors: the tensors cover bytes [{covered_from}, {covered_to}) "
+            f"of a {data_size}-byte data section (the header length or the offsets are wrong)"
+        )
     return dict(sorted(result.items()))
