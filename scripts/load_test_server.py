@@ -142,19 +142,27 @@ def overhead(args: argparse.Namespace, extra_gen: dict) -> dict:
             local.append(time.perf_counter() - t0)
     server = Server(1, args.server_args)
     remote: list[float] = []
+    inside: list[float] = []  # the same request's own generation time, from its timings
     try:
         with httpx.Client(base_url=server.url, timeout=600) as c:
             body = lambda i: {"messages": messages(i), "max_tokens": args.max_tokens, "temperature": 0}  # noqa: E731
             c.post("/v1/chat/completions", json=body(0)).raise_for_status()
             for i in range(n):
                 t0 = time.perf_counter()
-                c.post("/v1/chat/completions", json=body(i)).raise_for_status()
+                r = c.post("/v1/chat/completions", json=body(i))
                 remote.append(time.perf_counter() - t0)
+                r.raise_for_status()
+                t = r.json()["timings"]
+                inside.append((t["prompt_ms"] + t["predicted_ms"]) / 1000)
     finally:
         server.stop()
     lm, rm = statistics.median(local), statistics.median(remote)
+    per_request = [r / g for r, g in zip(remote, inside)]
     return {"requests": n, "session_chat_median_ms": lm * 1000, "server_median_ms": rm * 1000,
-            "ratio": rm / lm, "overhead_ms": (rm - lm) * 1000}
+            "ratio": rm / lm, "overhead_ms": (rm - lm) * 1000,
+            # load-independent: each request's HTTP latency over the generation time inside that same request
+            "in_request_ratio_median": statistics.median(per_request),
+            "in_request_overhead_ms_median": statistics.median(r - g for r, g in zip(remote, inside)) * 1000}
 
 
 def main() -> int:
@@ -167,6 +175,7 @@ def main() -> int:
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--threads", type=int, help="CPU threads per slot (and for the in-process Session)")
+    p.add_argument("--overhead-only", action="store_true", help="measure only the overhead against Session.chat")
     p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args()
     a.server_args = (["--target", a.target] if a.target else []) + (["--drafter", a.drafter] if a.drafter else []) \
@@ -174,7 +183,13 @@ def main() -> int:
     out = {"max_tokens": a.max_tokens, "threads": a.threads, "cpu_count": os.cpu_count(), "load_before": os.getloadavg()[0], "runs": []}
     out["overhead"] = overhead(a, {})
     print(f"overhead: Session.chat {out['overhead']['session_chat_median_ms']:.1f} ms, server "
-          f"{out['overhead']['server_median_ms']:.1f} ms, ratio {out['overhead']['ratio']:.3f}", flush=True)
+          f"{out['overhead']['server_median_ms']:.1f} ms, ratio {out['overhead']['ratio']:.3f}; in-request ratio "
+          f"{out['overhead']['in_request_ratio_median']:.3f} ({out['overhead']['in_request_overhead_ms_median']:.1f} ms)",
+          flush=True)
+    if a.overhead_only:
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=2))
+        return 0
     for parallel in map(int, a.parallel.split(",")):
         server = Server(parallel, a.server_args)
         try:

@@ -32,7 +32,7 @@ def router(engine: Engine) -> APIRouter:
     @r.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Any:
         check_model(engine, body.model)
-        job = messages_job(body)
+        job = messages_job(body, engine.template_has_tools)
         prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}

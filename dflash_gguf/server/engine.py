@@ -60,6 +60,8 @@ class Engine:
         self.metrics = metrics
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
+        template = sessions[0].target.chat_template()
+        self.template_has_tools = template is not None and "tools" in template  # tool calls are refused either way
 
     @property
     def n_ctx(self) -> int:

@@ -6,7 +6,6 @@ Written by hand (the format is a few lines of text) so the server needs no clien
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
 
 from ..stats import GenerationStats
 

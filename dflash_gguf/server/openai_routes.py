@@ -46,7 +46,7 @@ def router(engine: Engine) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(engine, body.model)
-        job = chat_job(body)
+        job = chat_job(body, engine.template_has_tools)
         run = await engine.start(engine.prepare(job), request)
         header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
         if job.stream:

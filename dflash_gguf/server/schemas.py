@@ -111,6 +111,13 @@ class Job:
     include_usage: bool = False
 
 
+def tools_refusal(template_has_tools: bool) -> str:
+    if not template_has_tools:
+        return "tool calling is not supported: this model's chat template has no tool support"
+    return ("tool calling is not supported by dflash-serve yet: the template takes tools, but the Session renders "
+            "none and nothing parses tool calls out of the reply")
+
+
 def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
     return APIError(400, f"{param}: {why}", param=param, code=code)
 
@@ -143,11 +150,10 @@ def _text_parts(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def chat_job(req: ChatCompletionRequest) -> Job:
+def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Job:
     if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call is not None:
         name = "tools" if req.tools else "functions" if req.functions else "tool_choice" if req.tool_choice else "function_call"
-        raise _refuse(name, "tool and function calling is not supported: the chat template path renders no tool "
-                            "definitions and parses no tool calls", "tools_unsupported")
+        raise _refuse(name, tools_refusal(template_has_tools), "tools_unsupported")
     _check_neutral(req, {
         "n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
@@ -190,10 +196,9 @@ def completion_job(req: CompletionRequest) -> Job:
                bool(req.stream_options and req.stream_options.include_usage))
 
 
-def messages_job(req: MessagesRequest) -> Job:
+def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
     if req.tools or req.tool_choice:
-        raise _refuse("tools" if req.tools else "tool_choice", "tool use is not supported: the chat template "
-                      "path renders no tool definitions and parses no tool calls", "tools_unsupported")
+        raise _refuse("tools" if req.tools else "tool_choice", tools_refusal(template_has_tools), "tools_unsupported")
     if req.output_format is not None:
         raise _refuse("output_format", "structured output is not supported")
     if req.thinking and req.thinking.get("type") not in (None, "disabled"):
