@@ -20,7 +20,7 @@ from textual.widgets import Collapsible, Markdown, Sparkline, Static
 
 from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.session import Session
-from dflash_gguf.tui.app import MEASURING, ChatApp
+from dflash_gguf.tui.app import NOT_MEASURED, ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
 from dflash_gguf.tui.provenance import Provenance
 from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
@@ -39,9 +39,9 @@ def session(dflash_gguf_path):
         yield s
 
 
-def options(max_tokens: int = 24, *, block_size: int | None = 4, hide_timing: bool = False, calibrate: bool = False) -> ChatOptions:
+def options(max_tokens: int = 24, *, block_size: int | None = 4, hide_timing: bool = False) -> ChatOptions:
     generation = GenerationOptions(max_tokens=max_tokens, temperature=0.0, block_size=block_size)
-    return ChatOptions(generation=generation, hide_timing=hide_timing, calibrate_on_start=calibrate)
+    return ChatOptions(generation=generation, hide_timing=hide_timing)
 
 
 def run_app(app: ChatApp, scenario: Callable[[Pilot], Awaitable[None]]) -> None:
@@ -133,10 +133,12 @@ def test_finished_reply_is_markdown_with_its_stats(session) -> None:
         assert number(shown["decode"]) > 0
         assert number(shown["prefill"]) > 0
         assert 1 <= number(shown["tokens"]) <= 24  # max_tokens
-        assert shown["reason"] == "fixed block 4"
+        assert shown["reason"].startswith("fixed block 4")
         panel = app.query_one(StatsPanel)
         assert len(panel.query_one(AcceptanceHistogram).rates) == 3
         assert len(panel.query_one(Sparkline).data) == number(shown["cycles"])
+        # fixed block 4: no plain cycle in the reply and no compare run yet, so no like-for-like baseline
+        assert shown["plain"] == NOT_MEASURED and shown["speedup"] == NOT_MEASURED
         assert "tokens · finished:" in str(reply.query_one(".status", Static).content)
 
     run_app(app, scenario)
@@ -251,8 +253,10 @@ def test_compare_reruns_with_plain_decoding_and_shows_both_speeds(session) -> No
         assert len(app.history) == 2, "the compare run is not part of the conversation"
         # the figures are back to the speculative reply the plain run was compared with
         assert number(figures(app)["drafted"]) >= 3
-        # and its plain speed is now the live baseline: the live speedup reads what the compare measured
+        # and its plain speed, streamed through this UI, is now the live baseline: the live speedup
+        # reads what the compare measured
         assert number(figures(app)["plain"]) == number(shown["plain"])
+        assert figures(app)["plain"].endswith("compare")
         assert number(figures(app)["speedup"]) == number(shown["speedup"])
 
     run_app(app, scenario)
@@ -263,16 +267,39 @@ def compare_rows(app: ChatApp) -> dict[str, str]:
     return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
 
 
-def test_calibration_measures_plain_speed_and_speedup_is_their_ratio(session) -> None:
-    app = ChatApp(session, options(max_tokens=16, calibrate=True))
+def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(session) -> None:
+    """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing."""
+    app = ChatApp(session, options(max_tokens=48))
+    seen: list[dict[str, str]] = []
 
     async def scenario(pilot: Pilot) -> None:
-        await wait_for(pilot, lambda: app.plain_note != MEASURING, "the calibration")
-        assert app.plain_note == "measured"
-        assert app.plain_tokens_per_s is not None and app.plain_tokens_per_s > 0
+        await send_and_wait(pilot, LONG_PROMPT)
+        assert figures(app)["speedup"] == NOT_MEASURED
+        await pilot.press("ctrl+g")  # the compare run: every cycle plain
+        await wait_for(pilot, lambda: app.reply is not None and not app.reply.speculative, "the compare run")
+        while app.busy:
+            seen.append(figures(app))
+            await pilot.pause(0.05)
+        for shown in seen:
+            if shown["speedup"] != NOT_MEASURED:
+                # its only baseline is its own plain cycles: decode and plain are the same measurement
+                assert shown["plain"].endswith("in reply")
+                assert number(shown["speedup"]) == pytest.approx(1.0, abs=0.005)
+        assert any(shown["speedup"] != NOT_MEASURED for shown in seen[-3:]), "enough plain cycles for a figure"
+
+    run_app(app, scenario)
+
+
+def test_speedup_divides_the_replys_loop_speed_by_the_same_uis_plain_run(session) -> None:
+    app = ChatApp(session, options(max_tokens=16))
+
+    async def scenario(pilot: Pilot) -> None:
         await send_and_wait(pilot, SHORT_PROMPT)
+        await press_and_wait(pilot, "ctrl+g")
+        await send_and_wait(pilot, "And of Spain?")
         shown = figures(app)
         decode, plain, speedup = number(shown["decode"]), number(shown["plain"]), number(shown["speedup"])
+        assert plain == pytest.approx(app.compare_plain_tokens_per_s, abs=0.05)
         assert speedup == pytest.approx(decode / plain, abs=0.02)
 
     run_app(app, scenario)
@@ -394,11 +421,65 @@ def test_the_embedded_defaults_draft_in_the_chat() -> None:
         run_app(app, scenario)
 
 
+def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> None:
+    """The embedded pair, adaptive: the same generation headless and inside the app, one after the other.
+
+    Prints the app's overhead (the Session's own decode tok/s inside the app / headless); asserts only the
+    like-for-like rule, because the overhead depends on what else the machine runs.
+    """
+    try:
+        embedded_drafter()
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    chat = options(max_tokens=64, block_size=None)
+    gen = chat.generation.session_kwargs(speculative=True)
+    with Session(n_ctx=1024, n_threads=2) as embedded:
+        embedded.chat(messages, **gen)  # warm-up: the adaptive controller measures its costs once
+        embedded.reset()
+        headless = embedded.chat(messages, **gen).stats
+        embedded.reset()
+        app = ChatApp(embedded, chat)
+        shown_while_streaming: list[dict[str, str]] = []
+
+        async def scenario(pilot: Pilot) -> None:
+            await send(pilot, LONG_PROMPT)
+            await pilot.pause(0.05)
+            while app.busy:
+                shown_while_streaming.append(figures(app))
+                await pilot.pause(0.1)
+            await pilot.pause()
+            final.update(figures(app))
+
+        final: dict[str, str] = {}
+        run_app(app, scenario)
+        inside = embedded.last_stats
+        reply = app.last_stats
+    print(
+        f"\napp overhead: decode {inside.decode_tokens_per_s:.1f} tok/s in the app vs "
+        f"{headless.decode_tokens_per_s:.1f} headless = {inside.decode_tokens_per_s / headless.decode_tokens_per_s:.1%}"
+        f" (loop {inside.n_tokens / inside.loop_s:.1f} vs {headless.n_tokens / headless.loop_s:.1f} tok/s;"
+        f" {inside.plain_cycles}/{inside.cycles} plain cycles in the app)"
+    )
+    assert inside.n_tokens == headless.n_tokens, "the same generation both ways"
+    # no compare run has happened: the only admissible baseline is the reply's own plain cycles
+    for shown in shown_while_streaming + [final]:
+        if shown["speedup"] == NOT_MEASURED:
+            assert shown["plain"] == NOT_MEASURED
+        else:
+            assert shown["plain"].endswith("in reply")
+    baseline = reply.in_reply_plain_tokens_per_s
+    if baseline is None:
+        assert final["speedup"] == NOT_MEASURED
+    else:
+        assert number(final["speedup"]) == pytest.approx(reply.tokens_per_s / baseline, abs=0.01)
+
+
 async def _steady(pilot: Pilot) -> None:
-    """Calibration done and the cursor not blinking, so the screenshot is the same every run."""
+    """The cursor not blinking, so the screenshot is the same every run."""
     app: ChatApp = pilot.app  # type: ignore[assignment]
     app.query_one("#prompt").cursor_blink = False
-    await wait_for(pilot, lambda: app.plain_note != MEASURING, "the calibration")
+    await pilot.pause()
 
 
 async def _finished_reply(pilot: Pilot) -> None:
@@ -407,10 +488,10 @@ async def _finished_reply(pilot: Pilot) -> None:
 
 
 def test_snapshot_idle_screen(session, snap_compare) -> None:
-    app = ChatApp(session, options(hide_timing=True, calibrate=True))
+    app = ChatApp(session, options(hide_timing=True))
     assert snap_compare(app, terminal_size=SIZE, run_before=_steady)
 
 
 def test_snapshot_finished_reply(session, snap_compare) -> None:
-    app = ChatApp(session, options(max_tokens=24, hide_timing=True, calibrate=True))
+    app = ChatApp(session, options(max_tokens=24, hide_timing=True))
     assert snap_compare(app, terminal_size=SIZE, run_before=_finished_reply)

@@ -1,13 +1,20 @@
 """The dflash-chat App: composes the transcript, prompt and stats panel, and drives the worker.
 
-All Session work happens on worker threads (SessionWorker); cycles arrive as StepArrived messages,
-are buffered, and are flushed to the widgets on a short timer, so the UI repaints in batches however
-fast tokens come and typing stays responsive.
+All Session work happens on a worker thread (SessionWorker). The worker appends each Step to the
+reply's inbox; a timer drains it 10 times a second, appends the new text to the token view in one piece
+per provenance run, and redraws the stats panel at most 4 times a second, only when a figure changed.
+The UI costs the decoder as little as it can (docs/TUI.md has the profile and the figures).
+
+The speedup shown is always like for like: the reply's loop speed over plain decoding measured under the
+same conditions, either the reply's own plain cycles or a compare run (Ctrl+G) streamed through this UI.
+Without one the panel says "not measured yet"; a headless measurement is never the baseline.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +26,10 @@ from textual.widgets import Footer, Header, Input
 
 from dflash_gguf.session import Session
 from dflash_gguf.tui.commands import ChatCommands
-from dflash_gguf.tui.messages import (
-    CalibrationFailed,
-    CalibrationFinished,
-    ReplyFailed,
-    ReplyFinished,
-    StepArrived,
-)
+from dflash_gguf.steps import Step, StepKind
+from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
 from dflash_gguf.tui.options import ChatOptions
-from dflash_gguf.tui.provenance import Piece
+from dflash_gguf.tui.provenance import pieces_of_steps
 from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.widgets import (
     AssistantMessage,
@@ -40,9 +42,15 @@ from dflash_gguf.tui.widgets import (
 from dflash_gguf.tui.worker import SessionWorker
 
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
-FLUSH_INTERVAL_S = 1 / 20
+FLUSH_INTERVAL_S = 1 / 10
+# the stats panel is redrawn at most this often (and only when a figure changed)
+STATS_INTERVAL_S = 1 / 4
+# while the app runs, the interpreter hands the GIL over this often (CPython's default is 5 ms): the decode
+# loop returns from every C call needing the GIL back, and a UI thread busy drawing held it that long each
+# time (docs/TUI.md measures the effect)
+GIL_SWITCH_INTERVAL_S = 0.0005
 BUSY_HINT = "Still generating — Esc cancels it."
-MEASURING = "measuring…"
+NOT_MEASURED = "not measured yet"
 
 
 @dataclass
@@ -55,12 +63,12 @@ class Reply:
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: ReplyStats = field(default_factory=ReplyStats)
     parts: list[str] = field(default_factory=list)
-    # why the Session stopped, when it says so in a closing Step that decoded nothing (block_size 0:
-    # the context is full)
+    # why the Session stopped, when it says so in a closing Step that decoded nothing (the context is full)
     closing_note: str = ""
-    pending: list[Piece] = field(default_factory=list)
-    # cycles arrived since the last draw (a cycle may add stats but no text yet)
-    dirty: bool = False
+    # (Step, perf_counter when the worker received it), appended by the worker, drained by the UI timer
+    inbox: list[tuple[Step, float]] = field(default_factory=list)
+    # the stats version last drawn on the panel
+    drawn: tuple[int, int] | None = None
 
     @property
     def text(self) -> str:
@@ -81,7 +89,6 @@ class ChatApp(App[None]):
         Binding("ctrl+t", "toggle_colours", "Colours"),
         Binding("ctrl+s", "toggle_stats", "Stats"),
         Binding("ctrl+g", "compare", "Compare"),
-        Binding("f5", "recalibrate", "Calibrate"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -97,9 +104,10 @@ class ChatApp(App[None]):
         self.last_stats = ReplyStats()
         self.last_reply_speed: float | None = None
         self.last_reply_text: str | None = None
-        self.plain_tokens_per_s: float | None = None
-        self.plain_note = MEASURING if self.options.calibrate_on_start else "not measured (F5)"
+        # the loop speed of the last compare run: plain decoding streamed through this UI
+        self.compare_plain_tokens_per_s: float | None = None
         self._turns = 0
+        self._stats_drawn_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -111,15 +119,16 @@ class ChatApp(App[None]):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
         self.sub_title = self._subtitle()
         self.set_interval(FLUSH_INTERVAL_S, self._flush)
         self._refresh_stats()
         self.query_one(PromptInput).focus()
-        if self.options.calibrate_on_start:
-            self._calibrate()
 
     def on_unmount(self) -> None:
         self.session_worker.closing.set()
+        sys.setswitchinterval(self._switch_interval)
 
     @property
     def stats_panel(self) -> StatsPanel:
@@ -164,55 +173,75 @@ class ChatApp(App[None]):
             widget.add_class("-compare")
         self.reply = Reply(self._turns, widget, speculative)
         self.transcript.mount(widget)
-        if self.plain_note == MEASURING:  # the Session is busy with the calibration: say why nothing comes yet
-            widget.wait("waiting for the plain-decoding calibration…")
         self.busy = True
-        self.stats_panel.show(self.reply.stats, self.plain_tokens_per_s, self.plain_note)
+        self._show_stats(self.reply.stats)
         gen = self.options.generation.session_kwargs(speculative=speculative)
-        self._generate(self.reply.turn, messages, gen, self.reply.cancel)
+        self._generate(self.reply.turn, messages, gen, self.reply.cancel, self.reply.inbox)
 
     @work(thread=True, group="session")
     def _generate(
-        self, turn: int, messages: list[dict[str, str]], gen: dict[str, Any], cancel: threading.Event
+        self,
+        turn: int,
+        messages: list[dict[str, str]],
+        gen: dict[str, Any],
+        cancel: threading.Event,
+        inbox: list[tuple[Step, float]],
     ) -> None:
-        self.session_worker.reply(turn, messages, gen, cancel)
+        self.session_worker.reply(turn, messages, gen, cancel, inbox)
 
-    @work(thread=True, group="session")
-    def _calibrate(self) -> None:
-        self.session_worker.calibrate(self.options.generation.session_kwargs(speculative=False))
+    def baseline(self, stats: ReplyStats) -> tuple[float | None, str]:
+        """Plain decoding measured under the same conditions as `stats`' reply, and where it came from:
+        the reply's own plain cycles first, else the last compare run streamed through this UI."""
+        own = stats.in_reply_plain_tokens_per_s
+        if own is not None:
+            return own, "in reply"
+        if self.compare_plain_tokens_per_s is not None:
+            return self.compare_plain_tokens_per_s, "compare"
+        return None, NOT_MEASURED
+
+    def _show_stats(self, stats: ReplyStats) -> None:
+        baseline, note = self.baseline(stats)
+        self.stats_panel.show(stats, baseline, note)
 
     def _current(self, turn: int) -> Reply | None:
         """The reply a worker message belongs to, or None if that reply was discarded (new chat)."""
         return self.reply if self.reply is not None and self.reply.turn == turn else None
 
-    def on_step_arrived(self, message: StepArrived) -> None:
-        reply = self._current(message.turn)
-        if reply is None:
-            return
-        step = message.step
-        if reply.stats.tokens == 0:
-            reply.widget.wait(None)
-        reply.stats.observe(step, message.at)
-        if step.finish_reason is not None and step.block_size == 0:
-            reply.closing_note = step.reason
-        reply.parts.append(step.text)
-        reply.pending.extend(message.pieces)
-        reply.dirty = True
-
-    def _flush(self) -> None:
+    def _flush(self, *, final: bool = False) -> None:
+        """Draw what the worker committed since the last flush: text every time, the panel at a bounded rate."""
         reply = self.reply
-        if reply is None or not reply.dirty:
+        if reply is None or not reply.widget.ready:
             return
-        pieces, reply.pending, reply.dirty = reply.pending, [], False
-        if pieces:
-            reply.widget.append(pieces)
-        self.stats_panel.show(reply.stats, self.plain_tokens_per_s, self.plain_note)
+        n = len(reply.inbox)
+        if n:
+            arrived = reply.inbox[:n]
+            del reply.inbox[:n]  # the worker may be appending: only what was read goes
+            steps = [step for step, _ in arrived]
+            for step, at in arrived:
+                reply.stats.observe(step, at)
+                reply.parts.append(step.text)
+                if step.kind is StepKind.CONTEXT_FULL:
+                    reply.closing_note = step.reason
+            if reply.widget.has_class("-waiting"):
+                reply.widget.wait(None)
+            pieces = pieces_of_steps(steps)
+            if pieces:
+                reply.widget.append(pieces)
+        now = time.monotonic()
+        version = reply.stats.version()
+        if version != reply.drawn and (final or now - self._stats_drawn_at >= STATS_INTERVAL_S):
+            reply.drawn = version
+            self._stats_drawn_at = now
+            self._show_stats(reply.stats)
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
         reply = self._current(message.turn)
         if reply is None:
             return
-        self._flush()
+        if not reply.widget.ready:  # a reply that ended before its widget was composed
+            self.set_timer(FLUSH_INTERVAL_S, lambda: self.on_reply_finished(message))
+            return
+        self._flush(final=True)
         text = reply.text
         if message.cancelled:
             status = f"cancelled after {reply.stats.tokens} tokens"
@@ -234,10 +263,9 @@ class ChatApp(App[None]):
             same = text == self.last_reply_text if self.options.generation.temperature == 0 else None
             self.stats_panel.show_compare(self.last_reply_speed, reply.stats.tokens_per_s, same)
             if reply.stats.tokens_per_s is not None and not message.cancelled:
-                # a plain run streamed to the screen like a reply: a fairer baseline than the start-up runs,
-                # which had the cores to themselves while a reply shares them with rendering
-                self.plain_tokens_per_s = reply.stats.tokens_per_s
-                self.plain_note = "measured"
+                # plain decoding streamed through this UI, as a reply is: the baseline of later replies
+                # that have too few plain cycles of their own
+                self.compare_plain_tokens_per_s = reply.stats.tokens_per_s
         self.reply = None
         self.busy = False
         # after a compare run the figures go back to the reply it was compared with
@@ -247,7 +275,10 @@ class ChatApp(App[None]):
         reply = self._current(message.turn)
         if reply is None:
             return
-        self._flush()
+        if not reply.widget.ready:
+            self.set_timer(FLUSH_INTERVAL_S, lambda: self.on_reply_failed(message))
+            return
+        self._flush(final=True)
         reply.widget.fail(message.error)
         if reply.speculative and self.history and self.history[-1]["role"] == "user":
             # the prompt that failed (e.g. context full) leaves the conversation, so the next one can run
@@ -257,20 +288,8 @@ class ChatApp(App[None]):
         self.busy = False
         self._refresh_stats()
 
-    def on_calibration_finished(self, message: CalibrationFinished) -> None:
-        self.plain_tokens_per_s = message.tokens_per_s
-        self.plain_note = "measured"
-        self._refresh_stats()
-
-    def on_calibration_failed(self, message: CalibrationFailed) -> None:
-        self.plain_tokens_per_s = None
-        self.plain_note = "unmeasured (F5)"
-        self.notify(message.error, title="plain-decoding calibration failed", severity="error")
-        self._refresh_stats()
-
     def _refresh_stats(self) -> None:
-        stats = self.reply.stats if self.reply is not None else self.last_stats
-        self.stats_panel.show(stats, self.plain_tokens_per_s, self.plain_note)
+        self._show_stats(self.reply.stats if self.reply is not None else self.last_stats)
 
     # ---- actions ----------------------------------------------------------------------------
 
@@ -327,16 +346,10 @@ class ChatApp(App[None]):
         """Switch provenance colouring of tokens on or off."""
         self.screen.toggle_class("-monochrome")
         for chunk in self.screen.query(TokenChunk):
-            chunk.refresh()
+            chunk.restyle()
 
     def action_toggle_stats(self) -> None:
         self.stats_panel.display = not self.stats_panel.display
-
-    def action_recalibrate(self) -> None:
-        """Measure plain decoding again (after a queued reply, if one is running)."""
-        self.plain_note = MEASURING
-        self._refresh_stats()
-        self._calibrate()
 
     async def action_quit(self) -> None:
         self.session_worker.closing.set()
@@ -353,5 +366,4 @@ class ChatApp(App[None]):
             ("Compare with plain decoding", "Rerun the last prompt without drafts; both speeds side by side", self.action_compare),
             ("Toggle provenance colours", "Colour tokens by draft / bonus / plain", self.action_toggle_colours),
             ("Toggle stats panel", "Show or hide the live statistics", self.action_toggle_stats),
-            ("Recalibrate plain decoding", "Measure the target's plain decoding speed again", self.action_recalibrate),
         ]

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 class ChatCommands(Provider):
-    """New chat, regenerate, cancel, compare, colours, stats panel, recalibrate."""
+    """New chat, regenerate, cancel, compare, colours, stats panel."""
 
     @property
     def _commands(self) -> list:

@@ -1,22 +1,8 @@
-"""Messages the worker thread posts to the app: the only way generation results reach the UI."""
+"""Messages the worker thread posts to the app when a reply ends (its Steps go through the reply's inbox)."""
 
 from __future__ import annotations
 
 from textual.message import Message
-
-from dflash_gguf.tui.provenance import Piece, StepLike
-
-
-class StepArrived(Message):
-    """One decoding cycle of reply `turn`: the Step, its text split by provenance, and the perf_counter
-    time the worker received it."""
-
-    def __init__(self, turn: int, step: StepLike, pieces: list[Piece], at: float) -> None:
-        super().__init__()
-        self.turn = turn
-        self.step = step
-        self.pieces = pieces
-        self.at = at
 
 
 class ReplyFinished(Message):
@@ -48,20 +34,4 @@ class ReplyFailed(Message):
     def __init__(self, turn: int, error: str) -> None:
         super().__init__()
         self.turn = turn
-        self.error = error
-
-
-class CalibrationFinished(Message):
-    """The plain-decoding speed measured on this machine."""
-
-    def __init__(self, tokens_per_s: float) -> None:
-        super().__init__()
-        self.tokens_per_s = tokens_per_s
-
-
-class CalibrationFailed(Message):
-    """The plain-decoding measurement could not be made."""
-
-    def __init__(self, error: str) -> None:
-        super().__init__()
         self.error = error

@@ -41,5 +41,3 @@ class ChatOptions:
     system: str | None = None
     # replaces every live timing figure with a placeholder, so screenshots of a run are reproducible
     hide_timing: bool = False
-    # a start-up plain-decoding measurement is what the speedup figure divides by
-    calibrate_on_start: bool = True

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from textual.widgets import Collapsible
 
-from dflash_gguf.tui.app import MEASURING, ChatApp
+from dflash_gguf.tui.app import ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
 from dflash_gguf.tui.widgets import AssistantMessage
 
@@ -33,7 +33,6 @@ async def capture(app: ChatApp, out: Path, prompt: str) -> None:
                     raise TimeoutError("the app did not finish the reply in time")
                 await pilot.pause(0.05)
 
-        await until(lambda: app.plain_note != MEASURING)
         app.query_one("#prompt").focus()
         await pilot.press(*prompt)
         for key in ("enter", "ctrl+g"):  # the reply, then the same prompt decoded plainly

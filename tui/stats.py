@@ -1,88 +1,96 @@
-"""Running statistics of one reply, folded in cycle by cycle from the Session's Step events.
+"""Running statistics of one reply, folded in Step by Step: a view of dflash_gguf.stats, never a second model.
 
-The panel redraws from this while tokens stream, so every figure here is cheap to read at any moment.
-Speeds are wall-clock, measured in the worker thread as each Step arrives, and exclude the first Step
-(the prompt's prefill), so a speculative and a plain run are measured the same way.
+Every decoding figure (τ, drafted, accepted, the per-slot acceptance, the loop's own speed, the rate of
+the reply's own plain cycles) comes from the one StatsBuilder the Session uses. What this adds is only
+what a live view needs on top: the sparkline's recent cycles, the latest block and reason, and the
+wall-clock rate at which the worker received the Steps (the overhead benchmark's figure).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
 
-from dflash_gguf.tui.provenance import StepLike
+from dflash_gguf.stats import StatsBuilder
+from dflash_gguf.steps import Step, StepKind
+
+# the sparkline shows this many most recent cycles, one bar each
+SPARKLINE_CYCLES = 48
 
 
-@dataclass
 class ReplyStats:
-    """Counters of one reply; `observe` takes each Step with the perf_counter time it arrived.
+    """Counters of one reply; `observe` takes each Step with the perf_counter time the worker received it."""
 
-    The first Step of a reply is the token sampled from the prefill: it counts as a token but not as a
-    decoding cycle, and timing starts when it arrives. Its verify_s is the prefill time, short on a
-    follow-up turn because the Session reuses the cached prefix.
-    """
+    def __init__(self) -> None:
+        self.builder = StatsBuilder()
+        self.recent_accepted: deque[int] = deque(maxlen=SPARKLINE_CYCLES)
+        self.block_size: int | None = None
+        self.reason = ""
+        self.prefill_s: float | None = None
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._tokens_after_first = 0
 
-    cycles: int = 0
-    tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    # slot k (0-based draft position): cycles that drafted at least k+1 tokens / that had slot k accepted
-    slot_offered: list[int] = field(default_factory=list)
-    slot_accepted: list[int] = field(default_factory=list)
-    accepted_per_cycle: list[int] = field(default_factory=list)
-    block_size: int | None = None
-    reason: str = ""
-    prefill_s: float | None = None
-    _first_at: float | None = None
-    _last_at: float | None = None
-    _tokens_after_first: int = 0
-
-    def observe(self, step: StepLike, at: float) -> None:
-        """Fold one Step in."""
-        n_tokens = len(step.tokens)
-        self.tokens += n_tokens
+    def observe(self, step: Step, at: float) -> None:
+        self.builder.add(step)
         self._last_at = at
-        if self._first_at is None:
+        if step.kind is StepKind.PREFILL:
             self._first_at = at
             self.prefill_s = step.verify_s
             return
-        self._tokens_after_first += n_tokens
-        if step.block_size == 0:  # a closing Step that decoded nothing (the context is full)
+        self._tokens_after_first += len(step.tokens)
+        if step.kind is StepKind.CONTEXT_FULL:
             return
-        self.cycles += 1
-        self.drafted += step.n_drafted
-        self.accepted += step.n_accepted
-        self.accepted_per_cycle.append(step.n_accepted)
+        self.recent_accepted.append(step.n_accepted)
         self.block_size = step.block_size
         self.reason = step.reason
-        while len(self.slot_offered) < step.n_drafted:
-            self.slot_offered.append(0)
-            self.slot_accepted.append(0)
-        for k in range(step.n_drafted):
-            self.slot_offered[k] += 1
-            if k < step.n_accepted:
-                self.slot_accepted[k] += 1
+
+    # ---- what the panel reads ----------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        return self.builder.n_tokens
 
     @property
-    def timed_tokens(self) -> int:
-        """Tokens the speed is computed over (all but the prefill Step's)."""
-        return self._tokens_after_first
+    def cycles(self) -> int:
+        return self.builder.cycles
+
+    @property
+    def drafted(self) -> int:
+        return self.builder.n_drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.builder.n_accepted
+
+    @property
+    def tau(self) -> float | None:
+        return self.builder.tau
+
+    @property
+    def plain_cycles(self) -> int:
+        return self.builder.plain_cycles
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Decode speed after the prefill; None until a decoding cycle has arrived."""
+        """Decode speed measured inside the loop (each cycle's cycle_s): what the speedup compares."""
+        return self.builder.loop_tokens_per_s
+
+    @property
+    def in_reply_plain_tokens_per_s(self) -> float | None:
+        """The rate of this reply's own plain cycles, once there are enough of them to be a baseline."""
+        return self.builder.in_reply_plain_tokens_per_s
+
+    @property
+    def wall_tokens_per_s(self) -> float | None:
+        """Tokens per second as the worker received them after the prefill (consumer time included)."""
         if self._first_at is None or self._last_at is None or self._last_at <= self._first_at:
             return None
         return self._tokens_after_first / (self._last_at - self._first_at)
 
-    @property
-    def tau(self) -> float | None:
-        """The acceptance length: accepted drafts plus the target's own token, averaged over cycles.
-
-        Counted from the verification, not from Step.tokens, which leave out an end-of-generation token.
-        """
-        return self.accepted / self.cycles + 1.0 if self.cycles else None
-
     def slot_rates(self) -> list[float]:
         """How often each block slot's draft token was accepted, among cycles that drafted it."""
-        return [a / o for a, o in zip(self.slot_accepted, self.slot_offered)]
+        b = self.builder
+        return [a / d for a, d in zip(b.slot_accepted, b.slot_drafted) if d]
 
+    def version(self) -> tuple[int, int]:
+        """Changes whenever a figure does: the panel redraws only then."""
+        return self.builder.n_tokens, self.builder.cycles

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -16,13 +17,12 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Static
 
 from dflash_gguf.tui.provenance import Piece, Provenance
+from dflash_gguf.stats import speedup as speedup_of
 from dflash_gguf.tui.stats import ReplyStats
 
 # a streamed reply is split into chunk widgets at a newline once a chunk holds this many characters,
 # so each repaint re-renders one bounded chunk and a long reply costs linear, not quadratic, time
-CHUNK_CHARS = 1024
-# the sparkline shows this many most recent cycles, one bar each
-SPARKLINE_CYCLES = 48
+CHUNK_CHARS = 512
 HIDDEN = "··"
 LEGEND: tuple[Piece, ...] = (
     ("accepted draft", Provenance.DRAFT),
@@ -34,7 +34,12 @@ COMPARE_HINT = "^g reruns the last prompt\nwithout drafts"
 
 
 class TokenChunk(Widget):
-    """A run of committed tokens, each styled by where it came from."""
+    """A run of committed tokens, each styled by where it came from.
+
+    Streaming appends to one cached rich Text instead of rebuilding it, and asks for a layout pass only
+    when the chunk's wrapped height changed: a repaint of one widget is cheap, a layout of the whole
+    screen is not (it was most of the UI thread's time in the profile, docs/TUI.md).
+    """
 
     COMPONENT_CLASSES = {f"token--{p.value}" for p in Provenance}
 
@@ -42,11 +47,35 @@ class TokenChunk(Widget):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._pieces: list[Piece] = list(pieces)
         self.length = sum(len(text) for text, _ in pieces)
+        self._styles: dict[Provenance, Style] | None = None
+        self._text: Text | None = None
+        self._height: tuple[int, int] | None = None  # (width, wrapped lines) last laid out
 
     def append(self, pieces: Sequence[Piece]) -> None:
+        if not pieces:
+            return
         self._pieces.extend(pieces)
         self.length += sum(len(text) for text, _ in pieces)
-        self.refresh(layout=True)
+        if self._text is not None and self._styles is not None:
+            for piece, provenance in pieces:
+                self._text.append(piece, self._styles[provenance])
+        self.refresh(layout=self._height_changed())
+
+    def _height_changed(self) -> bool:
+        width = self.size.width
+        if width <= 0 or self._height is None or self._height[0] != width:
+            self._height = None
+            return True
+        lines = len(self._rich_text().wrap(self.app.console, width))
+        if lines == self._height[1]:
+            return False
+        self._height = (width, lines)
+        return True
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles = None
+        self._text = None
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -56,12 +85,29 @@ class TokenChunk(Widget):
     def text(self) -> str:
         return "".join(text for text, _ in self._pieces)
 
+    def _rich_text(self) -> Text:
+        if self._styles is None:
+            self._styles = {p: self.get_component_rich_style(f"token--{p.value}") for p in Provenance}
+            self._text = None
+        if self._text is None:
+            text = Text(no_wrap=False, end="")
+            for piece, provenance in self._pieces:
+                text.append(piece, self._styles[provenance])
+            self._text = text
+        return self._text
+
     def render(self) -> Text:
-        styles = {p: self.get_component_rich_style(f"token--{p.value}") for p in Provenance}
-        text = Text(no_wrap=False, end="")
-        for piece, provenance in self._pieces:
-            text.append(piece, styles[provenance])
+        text = self._rich_text()
+        width = self.size.width
+        if width > 0 and self._height is None:
+            self._height = (width, len(text.wrap(self.app.console, width)))
         return text
+
+    def restyle(self) -> None:
+        """Draw again with the current component styles (after the colouring toggle)."""
+        self._styles = None
+        self._text = None
+        self.refresh()
 
 
 class TokenStream(Vertical):
@@ -124,6 +170,11 @@ class AssistantMessage(Vertical):
     @property
     def tokens(self) -> TokenStream:
         return self.query_one(TokenStream)
+
+    @property
+    def ready(self) -> bool:
+        """Whether its children are composed, so tokens can be drawn (a reply may start before that)."""
+        return bool(self.query(TokenChunk))
 
     def append(self, pieces: Iterable[Piece]) -> None:
         self.tokens.append(pieces)
@@ -199,8 +250,11 @@ class AcceptanceHistogram(Widget):
         self.rates: list[float] = []
 
     def show(self, rates: list[float]) -> None:
+        if rates == self.rates:
+            return
+        grew = len(rates) != len(self.rates)
         self.rates = rates
-        self.refresh(layout=True)
+        self.refresh(layout=grew)
 
     def render(self) -> Text:
         if not self.rates:
@@ -244,6 +298,8 @@ class StatsPanel(VerticalScroll):
     def __init__(self, *, hide_timing: bool, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.hide_timing = hide_timing
+        self._figures = ""
+        self._laid_out = 0
 
     def compose(self) -> ComposeResult:
         yield Label("speculative decoding", classes="heading")
@@ -257,15 +313,16 @@ class StatsPanel(VerticalScroll):
         yield Label("compare with plain decoding", classes="heading")
         yield Static(COMPARE_HINT, id="compare", markup=False)
 
-    def show(self, stats: ReplyStats, plain_tokens_per_s: float | None, plain_note: str) -> None:
-        """Redraw from the current counters; `plain_note` says where the baseline stands."""
+    def show(self, stats: ReplyStats, baseline: float | None, baseline_note: str) -> None:
+        """Redraw from the current counters. `baseline`: plain decoding measured under the same conditions
+        (this reply's own plain cycles, or a compare run streamed through this UI) and `baseline_note`
+        which one; with no baseline the note says why there is no speedup figure."""
         hide = self.hide_timing
         speed = stats.tokens_per_s
-        speedup = speed / plain_tokens_per_s if speed is not None and plain_tokens_per_s else None
         rows = [
             ("decode", _speed(speed, hide)),
-            ("plain", plain_note if plain_tokens_per_s is None else _speed(plain_tokens_per_s, hide)),
-            ("speedup", _ratio(speedup, hide)),
+            ("plain", baseline_note if baseline is None else f"{_speed(baseline, hide)} · {baseline_note}"),
+            ("speedup", "not measured yet" if baseline is None else _ratio(speedup_of(speed, baseline), hide)),
             ("tokens", str(stats.tokens)),
             ("prefill", _seconds(stats.prefill_s, hide)),
             ("τ", "—" if stats.tau is None else f"{stats.tau:.2f} tok/cycle"),
@@ -275,9 +332,21 @@ class StatsPanel(VerticalScroll):
             ("block", "—" if stats.block_size is None else str(stats.block_size)),
             ("reason", stats.reason or "—"),
         ]
-        self.query_one("#figures", Static).update("\n".join(f"{name:<9}{value}" for name, value in rows))
+        lines = [f"{name:<9}{value}" for name, value in rows]
+        figures = "\n".join(lines)
+        if figures != self._figures:
+            self._figures = figures
+            widget = self.query_one("#figures", Static)
+            # the rows keep their count: only a change in how many lines they wrap to needs a layout pass
+            width = max(widget.size.width, 1)
+            height = sum(max(1, -(-len(line) // width)) for line in lines)
+            widget.update(figures, layout=height != self._laid_out)
+            self._laid_out = height
         self.query_one(AcceptanceHistogram).show(stats.slot_rates())
-        self.query_one(Sparkline).data = [float(n) for n in stats.accepted_per_cycle[-SPARKLINE_CYCLES:]]
+        recent = [float(n) for n in stats.recent_accepted]
+        sparkline = self.query_one(Sparkline)
+        if recent != sparkline.data:
+            sparkline.data = recent
 
     def show_compare(self, speculative: float | None, plain: float | None, same_text: bool | None) -> None:
         """Both speeds of the same prompt side by side."""
@@ -285,7 +354,7 @@ class StatsPanel(VerticalScroll):
             self.query_one("#compare", Static).update(COMPARE_HINT)
             return
         hide = self.hide_timing
-        speedup = speculative / plain if speculative is not None and plain else None
+        speedup = speedup_of(speculative, plain)
         lines = [
             f"{'dflash':<9}{_speed(speculative, hide)}",
             f"{'plain':<9}{_speed(plain, hide)}",

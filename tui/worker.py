@@ -1,8 +1,10 @@
-"""The worker-thread side of the chat: Session calls run here, results go back as posted messages.
+"""The worker-thread side of the chat: Session calls run here; the UI thread never touches the Session.
 
-One Session call at a time (a lock), because a reply and a calibration share the Session's KV caches.
-Cancellation is checked between cycles, so a cancelled reply keeps every token already committed.
-The UI thread never touches the Session: even the provenance split of each Step's text happens here.
+One Session call at a time (a lock). Cancellation is checked between cycles, so a cancelled reply keeps
+every token already committed. Steps are not posted one message each: the worker appends them, with
+the time it received them, to the reply's inbox (a list append, atomic under the GIL), and the app
+drains the inbox on its own timer. A message per cycle made the UI thread dispatch one event per token
+and wake up for each, time the decode loop then waited for the interpreter.
 """
 
 from __future__ import annotations
@@ -14,15 +16,8 @@ from typing import Any, Callable, Sequence
 from textual.message import Message
 
 from dflash_gguf.session import Session
-from dflash_gguf.tui.calibration import measure_plain_speed
-from dflash_gguf.tui.messages import (
-    CalibrationFailed,
-    CalibrationFinished,
-    ReplyFailed,
-    ReplyFinished,
-    StepArrived,
-)
-from dflash_gguf.tui.provenance import ProvenanceSplitter
+from dflash_gguf.steps import Step
+from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
 
 
 def one_line(error: BaseException) -> str:
@@ -47,21 +42,21 @@ class SessionWorker:
         messages: Sequence[dict[str, str]],
         gen_kwargs: dict[str, Any],
         cancel: threading.Event,
+        inbox: list[tuple[Step, float]],
     ) -> None:
-        """Stream one assistant reply to `messages`, posting every cycle as it is committed."""
+        """Stream one assistant reply to `messages`, appending every Step to `inbox` as it is committed."""
         finish_reason: str | None = None
         cancelled = False
         with self._lock:
             if cancel.is_set() or self.closing.is_set():
                 self._post(ReplyFinished(turn, None, True))
                 return
-            splitter = ProvenanceSplitter(self._session.target.token_bytes)
             try:
                 # the GGUF chat template, its stop strings, and the cached prefix of the last turn reused
                 steps = self._session.stream_chat(list(messages), **gen_kwargs)
                 try:
                     for step in steps:
-                        self._post(StepArrived(turn, step, splitter.split(step), time.perf_counter()))
+                        inbox.append((step, time.perf_counter()))
                         finish_reason = step.finish_reason
                         if finish_reason is None and (cancel.is_set() or self.closing.is_set()):
                             cancelled = True
@@ -76,13 +71,3 @@ class SessionWorker:
             self._post(ReplyFinished(turn, finish_reason, cancelled))
         else:
             self._post(ReplyFinished(turn, finish_reason, cancelled, stats.n_prompt_tokens, stats.n_cached_tokens))
-
-    def calibrate(self, gen_kwargs: dict[str, Any]) -> None:
-        """Measure plain decoding on this machine and post the result."""
-        with self._lock:
-            try:
-                speed = measure_plain_speed(self._session.stream, gen_kwargs, should_stop=self.closing.is_set)
-            except Exception as error:  # a failed measurement leaves the speedup unknown, not the app dead
-                self._post(CalibrationFailed(one_line(error)))
-                return
-        self._post(CalibrationFinished(speed))
