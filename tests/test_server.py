@@ -306,3 +306,32 @@ def test_metrics_counters_move(main_url, oai):
     assert _metric(main_url, "dflash_generations_total", AUTH) == before["dflash_generations_total"] + 1
     assert _metric(main_url, "dflash_cycles_total", AUTH) > before["dflash_cycles_total"]
     assert _metric(main_url, 'dflash_requests_total{route="/v1/chat/completions",status="200"}', AUTH) == requests_before + 1
+
+
+def test_follow_up_turns_land_on_the_slot_that_holds_their_prefix(main_url):
+    """Two conversations, then a follow-up turn of each: it is routed to its own slot and reuses its KV."""
+    def turn(messages):
+        r = httpx.post(main_url + CHAT, headers=AUTH, timeout=60,
+                       json={"messages": messages, "max_tokens": 6, "temperature": 0}).json()
+        return r["choices"][0]["message"]["content"], r["dflash"]["slot"], r["timings"]
+
+    first = ask("Describe the moon in one sentence, please, with detail.")
+    second = ask("List two animals that live in the ocean and say why.")
+    # the two opening turns run side by side, so they take different slots
+    with ThreadPoolExecutor(2) as pool:
+        (a_text, a_slot, _), (b_text, b_slot, _) = pool.map(turn, [first, second])
+    assert a_slot != b_slot
+    for history, text, slot in ((first, a_text, a_slot), (second, b_text, b_slot)):
+        follow = history + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+        _, got_slot, timings = turn(follow)
+        assert got_slot == slot
+        assert timings["cache_n"] > 40  # the whole first turn, not only the template's system prefix
+
+
+def test_chunked_body_over_the_limit_is_413(main_url):
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536  # 2.5 MiB, no Content-Length
+
+    r = httpx.post(main_url + CHAT, headers={**AUTH, "content-type": "application/json"}, content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
