@@ -335,3 +335,19 @@ def test_chunked_body_over_the_limit_is_413(main_url):
 
     r = httpx.post(main_url + CHAT, headers={**AUTH, "content-type": "application/json"}, content=chunks())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_client_that_leaves_while_queued_or_waiting_for_a_whole_reply_is_dropped(tight_url):
+    cancelled = _metric(tight_url, "dflash_requests_cancelled_total")
+    long_whole = {**LONG, "stream": False}
+    with httpx.stream("POST", tight_url + "/v1/chat/completions", json=LONG, timeout=60) as first:
+        assert first.status_code == 200
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then gone
+            httpx.post(tight_url + "/v1/chat/completions", json=long_whole, timeout=1.0)
+        _wait_for(lambda: _health(tight_url)["queue_depth"] == 0, timeout=10)
+    _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
+    with pytest.raises(httpx.ReadTimeout):  # generating a whole reply, then gone
+        httpx.post(tight_url + "/v1/chat/completions", json=long_whole, timeout=2.0)
+    _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
+    assert _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 2  # the stream and the whole reply
+    assert _metric(tight_url, 'dflash_requests_rejected_total{reason="client_gone"}') >= 1
