@@ -1,6 +1,7 @@
 """Property-based fuzzing of dflash-convert through its real command line, one process per case.
 
-Families: config.json mutations (any key set to any JSON value, keys deleted, the whole file replaced,
+Each case is its own process (a forked child running the CLI's entry point, or with DFLASH_FUZZ_SPAWN=1
+a fresh `python -m dflash_gguf.convert`). Families: config.json mutations (any key set to any JSON value, keys deleted, the whole file replaced,
 deep nesting), safetensors header mutations (data_offsets shifted, into the header, overlapping,
 three entries, floats, negative; dtypes and shapes changed; keys duplicated; the length prefix and the
 file cut), and OUT naming one of the inputs (by path, symlink or hard link, with --force).
@@ -51,12 +52,68 @@ def report(family: str, outcome: str, detail: Any) -> None:
             f.write(json.dumps({"family": family, "outcome": outcome, "detail": detail}, default=str) + "\n")
 
 
+SPAWN = os.environ.get("DFLASH_FUZZ_SPAWN", "0") == "1" or not hasattr(os, "fork")
+"""DFLASH_FUZZ_SPAWN=1 runs every case as `python -m dflash_gguf.convert`; by default each case is a forked
+child of this process running the same entry point (`cli.main`, what the console script calls), which
+isolates it as well (its own process: a crash or exit is its own) without paying Python's start-up per case."""
+
+
 def convert(*args: str | Path, timeout: float = CASE_TIMEOUT_S) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run([sys.executable, "-m", "dflash_gguf.convert", *map(str, args), "--no-progress"],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
+    argv = [*map(str, args), "--no-progress"]
+    if SPAWN:
+        try:
+            return subprocess.run([sys.executable, "-m", "dflash_gguf.convert", *argv],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    return _forked(argv, timeout)
+
+
+def _forked(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    import tempfile
+
+    from dflash_gguf.convert.cli import main
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: the CLI with its own stdout/stderr, its exit status is main()'s
+            code = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = os.fdopen(1, "w", closefd=False)
+                sys.stderr = os.fdopen(2, "w", closefd=False)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                try:
+                    code = main(argv)
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else 2
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.005)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read(), err.read())
 
 
 def leftovers(directory: Path) -> list[Path]:
@@ -178,6 +235,8 @@ def apply_config(path: Path, mutations: list) -> None:
     config = json.loads(text)
     raw = None
     for op, key, value in mutations:
+        if not isinstance(config, dict) and op not in ("replace", "raw"):
+            continue  # an earlier "replace" left no object to edit
         if op == "set":
             config[key] = value
         elif op == "set_dflash":
@@ -195,7 +254,7 @@ def apply_config(path: Path, mutations: list) -> None:
         elif op == "replace":
             config = value
         elif op == "raw":
-            body = json.dumps(config)
+            body = json.dumps(config if isinstance(config, dict) else {"config": config})
             raw = {
                 "deep": ("[" * value) + ("]" * value),
                 "nan": body.replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN'),
