@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ..target_gguf import TargetInfo, field_value, open_gguf, read_target_info
+from ..target_gguf import TargetInfo, check_feature_layers, field_value, open_gguf, read_target_info
 from .errors import TrainError
 
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -43,11 +43,13 @@ def read_target_spec(path: Path, mask_token_id: int | None = None) -> TargetSpec
         reader = open_gguf(path)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    if info.recurrent:
-        raise TrainError(
-            f"{path}: {info.architecture} is a recurrent/hybrid architecture; DFlash needs a target "
-            "whose KV cache can be rolled back, and the recipe supports attention-only targets"
-        )
+    # recurrent/hybrid targets are fine: data generation decodes plainly and only ever clears whole
+    # sequences, which their memory supports (rollback is the runtime's business, dflash_gguf.memory);
+    # what cannot work is a target whose layer inputs libllama cannot capture (mamba, rwkv, ...)
+    try:
+        check_feature_layers(info.architecture, info.n_layer, [0])
+    except ValueError as e:
+        raise TrainError(f"{path}: {e}") from None
     arch = info.architecture
 
     def key(name: str, default=None):
@@ -67,7 +69,7 @@ def read_target_spec(path: Path, mask_token_id: int | None = None) -> TargetSpec
     return TargetSpec(
         info=info,
         n_head=n_head,
-        n_head_kv=int(key("attention.head_count_kv", n_head)),
+        n_head_kv=_per_layer_max(key("attention.head_count_kv", n_head)),
         head_dim=head_dim,
         n_ff=int(key("feed_forward_length")),
         rms_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -79,6 +81,11 @@ def read_target_spec(path: Path, mask_token_id: int | None = None) -> TargetSpec
             int(v) for k in ("eos", "eot", "eom") if (v := field_value(reader, f"tokenizer.ggml.{k}_token_id")) is not None
         ),
     )
+
+
+def _per_layer_max(value) -> int:
+    """A per-layer array (hybrid targets: 0 for recurrent layers) as its attention layers' value."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
 
 
 def choose_mask_token(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> int:
