@@ -89,3 +89,27 @@ def test_too_little_disk_for_the_cache_is_refused_before_generating(embedded_tar
 def test_bad_settings(embedded_target, tmp_path, capsys, flag, value, needle):
     code, err = run(capsys, embedded_target, prompts_file(tmp_path / "p.jsonl"), "--out", tmp_path / "run", flag, value)
     assert_one_line_error(code, err, needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--kind", "dflash2", "--draft-vocab", "8192"], "needs the full vocabulary"),
+    (["--soft-labels", "1.5"], "soft_labels must be in [0, 1]"),
+    (["--soft-labels", "0.5", "--top-k", "0"], "soft labels need the target's top-k"),
+    (["--markov-rank", "0", "--kind", "dspark"], "markov_rank must be >= 1"),
+])
+def test_new_options_with_values_no_run_can_use(tmp_path, capsys, embedded_target, args, needle):
+    code, err = run(capsys, embedded_target, prompts_file(tmp_path / "p.jsonl"), "--out", tmp_path / "run", *args)
+    assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_archive_that_does_not_exist(tmp_path, capsys, embedded_target):
+    code, err = run(capsys, embedded_target, prompts_file(tmp_path / "p.jsonl"), "--out", tmp_path / "run",
+                    "--stage", "data", "--from-archive", tmp_path / "none.npz")
+    assert_one_line_error(code, err, "token archive not found")
+
+
+def test_archive_stage_without_a_cache(tmp_path, capsys, embedded_target):
+    code, err = run(capsys, embedded_target, prompts_file(tmp_path / "p.jsonl"), "--out", tmp_path / "run", "--stage", "archive")
+    assert_one_line_error(code, err, "no feature cache")
+    assert not (tmp_path / "run" / "tokens.npz").exists()
