@@ -257,6 +257,8 @@ MALFORMED = [
     (CHAT, {"messages": ask("Hi"), "temperature": "hot"}, 400, "invalid_value", "temperature"),
     (CHAT, {"messages": ask("Hi"), "max_tokens": "many"}, 400, "invalid_value", "max_tokens"),
     (CHAT, {"messages": ask("Hi"), "temperature": -1}, 400, "invalid_value", "temperature"),
+    (CHAT, {"messages": ask("Hi"), "top_p": 0}, 400, "invalid_value", "top_p"),
+    (CHAT, {"messages": ask("Hi"), "stop": [""]}, 400, "invalid_value", "stop"),
     (CHAT, {}, 400, "invalid_value", "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "invalid_value", "messages.0"),
     (CHAT, {"messages": ask("Hi"), "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
@@ -289,6 +291,9 @@ def test_every_malformed_request_gets_its_status_and_the_server_keeps_serving(ma
             assert set(err) == {"message", "type", "param", "code"} and err["message"], r.text
             assert err["code"] == code and (param is None or (err["param"] or "").startswith(param)), (path, err)
             assert "Traceback" not in r.text
+        # a body that is not declared JSON is not parsed (a web page can send text/plain without a preflight)
+        r = c.post(CHAT, content=json.dumps({"messages": ask("Hi")}), headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type"
         assert c.get(CHAT).status_code == 405
         assert c.post("/v1/messages", json={"model": "smol", "messages": ask("Hi")}).json()["type"] == "error"
         r = c.post(CHAT, json={"messages": ask("Hi"), "max_tokens": 4})

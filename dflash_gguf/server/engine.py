@@ -97,7 +97,8 @@ class Engine:
                              sampling=SamplingParams(temperature=gen["temperature"], top_p=gen["top_p"],
                                                      top_k=gen["top_k"], seed=gen["seed"]))
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            name = str(e).split()[0] if str(e) else ""
+            raise APIError(400, str(e), param=name if name in gen else None, code="invalid_value") from None
         if job.messages is not None:
             messages = job.messages
             start = lambda s: s.stream_chat(messages, **gen)  # noqa: E731 - exactly Session.chat's path
