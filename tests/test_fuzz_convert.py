@@ -6,8 +6,9 @@ deep nesting), safetensors header mutations (data_offsets shifted, into the head
 three entries, floats, negative; dtypes and shapes changed; keys duplicated; the length prefix and the
 file cut), and OUT naming one of the inputs (by path, symlink or hard link, with --force).
 
-Pass: exit 0 with an output whose tensors equal what the safetensors library reads from the same file
-(so no silent corruption), or exit 2 with exactly one stderr line and no output; in both cases no
+Pass: exit 0 with an output that passes the runtime's drafter check (dflash_gguf.drafter_gguf) and, for
+header mutations, whose tensors equal what the safetensors library reads from the same file (so no
+silent corruption), or exit 2 with exactly one stderr line and no output; in both cases no
 temp file left and every input byte-identical. Fail: anything else (traceback, other exit code,
 signal, hang past the timeout, changed input, leftover).
 
@@ -156,8 +157,10 @@ def judge(family: str, case: dict, ckpt: Path, out: Path, inputs: list[Path], be
         outcome = "converted"
         if not out.is_file():
             problems.append("exit 0 without output")
-        elif check_values:
-            problems += _corruption(ckpt, out)
+        else:
+            problems += _runtime_refuses(out)
+            if check_values:
+                problems += _corruption(ckpt, out)
     else:
         outcome = "crash"
     if leftovers(out.parent) or leftovers(ckpt):
@@ -169,6 +172,17 @@ def judge(family: str, case: dict, ckpt: Path, out: Path, inputs: list[Path], be
            "stderr": (p.stderr.strip().splitlines() or [""])[-1][:300] if p else ""})
     assert outcome in ("refused", "converted") and not problems, (outcome, problems, case, p.stderr[-1500:] if p else "")
     return outcome
+
+
+def _runtime_refuses(out: Path) -> list[str]:
+    """A converted drafter must pass the runtime's own pre-libllama check (else the converter wrote a file that aborts)."""
+    from dflash_gguf.drafter_gguf import DrafterGGUFError, check_drafter_gguf
+
+    try:
+        check_drafter_gguf(out)
+    except DrafterGGUFError as e:
+        return [f"the converter wrote a drafter the runtime refuses: {e}"]
+    return []
 
 
 def _corruption(ckpt: Path, out: Path) -> list[str]:
