@@ -2,8 +2,10 @@
 
 Rooms: `config` (the settings), `schemas` (request models, built on llama_cpp.server's), `errors` (the one
 error shape), `auth` and `limits` (ASGI guards), `slots` (the slot pool and its FIFO queue), `worker`
-(a generation in a thread, Steps handed to the event loop), `timings` (per-response figures from the
-stats model), `metrics` (Prometheus text), `openai_routes`, `anthropic_routes`, `app` and `cli`.
+(a generation in a thread, Steps handed to the event loop), `engine` (a request to a running generation:
+tokens, context check, queue, disconnect watch), `timings` (per-response figures from the stats model),
+`metrics` (Prometheus text), `sse` (streams that end cleanly on shutdown), `openai_routes`,
+`anthropic_routes`, `app` and `cli`.
 """
 
 from .config import ServerConfig
