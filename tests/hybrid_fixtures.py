@@ -272,10 +272,21 @@ class HybridModels:
 
 
 if __name__ == "__main__":  # build the fixtures into a folder, for the scripts and the benchmark
+    import argparse
+
     from dflash_gguf.defaults import embedded_target
 
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/hybrid-fixtures")
-    out.mkdir(parents=True, exist_ok=True)
-    for arch in ARCHS:
-        target = build_target(arch, out, embedded_target())
-        print(target, target.stat().st_size)
+    p = argparse.ArgumentParser(description="build the hybrid fixture targets and their DFlash drafters")
+    p.add_argument("out", type=Path, nargs="?", default=Path("/tmp/hybrid-fixtures"))
+    p.add_argument("--bench", action="store_true", help="larger targets (hidden 256, 8 layers) for dflash-bench")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS))
+    args = p.parse_args()
+    if args.bench:
+        HIDDEN, N_LAYER, FFN = 256, 8, 1024
+    args.out.mkdir(parents=True, exist_ok=True)
+    for arch in args.archs:
+        if arch == "lfm2" and N_LAYER != 4:
+            continue  # its layer pattern is written for 4 layers
+        target = build_target(arch, args.out, embedded_target())
+        drafter = build_drafter(target, args.out / f"{arch}-drafters")
+        print(target, target.stat().st_size, drafter)
