@@ -80,6 +80,7 @@ class TextStream:
         self._stop = tuple(stop)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""
+        self.stopped_by: str | None = None  # the stop string that ended the text, once one has
 
     def feed(self, token: int) -> tuple[str, bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
@@ -88,6 +89,7 @@ class TextStream:
             i = self._held.find(s)
             if i >= 0:
                 out, self._held = self._held[:i], ""
+                self.stopped_by = s
                 return out, True
         keep = max((k for s in self._stop for k in range(1, len(s)) if self._held.endswith(s[:k])), default=0)
         cut = len(self._held) - keep
@@ -260,10 +262,11 @@ class _Committed:
     provenance: tuple[TokenSource, ...]
     spans: tuple[tuple[str, TokenSource], ...]
     finish_reason: str | None
+    stop_sequence: str | None
 
     def fields(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "provenance": self.provenance, "spans": self.spans,
-                "finish_reason": self.finish_reason}
+                "finish_reason": self.finish_reason, "stop_sequence": self.stop_sequence}
 
 
 def _commit(
@@ -290,7 +293,9 @@ def _commit(
             finish = "length"
             break
     spans = _spans(pieces)
-    return _Committed(tokens, "".join(t for t, _ in spans), tuple(provenance[: len(tokens)]), spans, finish)
+    return _Committed(
+        tokens, "".join(t for t, _ in spans), tuple(provenance[: len(tokens)]), spans, finish, text.stopped_by
+    )
 
 
 def _spans(pieces: Sequence[tuple[str, TokenSource]]) -> tuple[tuple[str, TokenSource], ...]:

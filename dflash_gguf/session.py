@@ -304,6 +304,11 @@ class Session:
         if self._closed:
             raise SessionClosedError("this Session is closed")
 
+    @property
+    def n_ctx(self) -> int:
+        """Tokens one generation's prompt and reply may hold together."""
+        return self.target.n_ctx_seq
+
     # -- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """The target's tokens for `text` (special tokens parsed), checked to fit the context."""

@@ -53,6 +53,7 @@ class Step:
     rollback_s: float = 0.0
     cycle_s: float = 0.0  # wall time of the cycle inside the loop, consumer time excluded
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the generation, if one did
     confidences: tuple[float, ...] = field(default=())  # predicted acceptance per drafted token, where known
 
     @property

@@ -251,3 +251,11 @@ def test_a_drafter_block_larger_than_the_context(dflash_gguf_path):
 def test_wrongly_typed_arguments_are_refused(session, bad):
     with pytest.raises(TypeError):
         session.generate(PROMPT, max_tokens=2, **bad)
+
+
+def test_the_last_step_names_the_stop_string_that_ended_it(session):
+    text = session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).text
+    stop = text.strip().split()[2]
+    last = list(session.stream(PROMPT, max_tokens=N_TOKENS, block_size=4, stop=["\u2603", stop]))[-1]
+    assert last.finish_reason == "stop" and last.stop_sequence == stop
+    assert list(session.stream(PROMPT, max_tokens=3))[-1].stop_sequence is None
