@@ -177,6 +177,8 @@ def _conv_groups(h: Hparams) -> int:
 
 TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec(Tensors.FC, lambda h: (h.n_targets * h.n_embd, h.n_embd)),
+    TensorSpec("fc.scale", lambda h: (1,), required=False, storage="f32"),
+    TensorSpec("rope_freqs.weight", lambda h: (h.head_k // 2,), required=False, storage="f32"),
     TensorSpec(Tensors.HIDDEN_NORM, lambda h: (h.n_embd,), storage="f32"),
     TensorSpec(Tensors.OUTPUT_NORM, lambda h: (h.n_embd,), storage="f32"),
     TensorSpec(Tensors.TOKEN_EMBD, lambda h: (h.n_embd, h.n_vocab), required=False),
@@ -215,6 +217,8 @@ KIND_MARKERS: tuple[tuple[str, str], ...] = (
 
 _NORM_TYPES = (Q.F32,)
 _I64 = (Q.I64,)
+_NOT_MATRIX = frozenset({Q.I8, Q.I16, Q.I32, Q.I64, Q.F64})
+"""Types a matrix may not have: ggml's mul_mat has no kernel for them (an I32 or I64 weight segfaults on CPU)."""
 
 
 
@@ -637,6 +641,8 @@ def _check_tensors(h: Hparams, tensors: dict[str, Any], kinds: set[str], fail: _
             got = tuple(int(d) for d in t.shape)
             if None not in want and got != want:
                 raise fail(name, f"tensor shape {list(got)}, the metadata implies {list(want)}")
+            if spec.storage == "matrix" and t.tensor_type in _NOT_MATRIX:
+                raise fail(name, f"stored as {t.tensor_type.name}; a weight matrix must be a float or quantized type")
             if spec.storage == "f32" and t.tensor_type not in _NORM_TYPES:
                 raise fail(name, f"stored as {t.tensor_type.name}, must be F32")
             if spec.storage == "i64" and t.tensor_type not in _I64:

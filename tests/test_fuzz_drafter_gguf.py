@@ -199,7 +199,7 @@ def write_mutated(base: Base, mutations: list, path: Path) -> list[str]:
             del tensors[name]
             done.append(f"drop {name}")
         elif op == "retype_tensor":
-            name = sorted(tensors)[what % len(tensors)]
+            name = what if isinstance(what, str) else sorted(tensors)[what % len(tensors)]
             data, qtype = tensors[name]
             new = _retype(data, qtype, arg, ())
             if new is not None:
@@ -292,14 +292,16 @@ NAMED = [
     ("reduced", [("d2t", "negative", 3)]),
     ("reduced", [("d2t", "i32", 0)]),
     ("reduced", [("d2t", "no_output", 0)]),
+    ("dflash", [("retype_tensor", "blk.0.ffn_down.weight", Q.I32)]),  # segfaulted in mul_mat
+    ("dflash", [("retype_tensor", "blk.0.attn_norm.weight", Q.F16)]),  # aborted in the norm
 ]
 
 
-@pytest.mark.parametrize("base_name, mutations", NAMED, ids=[f"{b}-{m[0][1]}-{m[0][2] if m[0][0] == 'd2t' else m[0][2][0]}" for b, m in NAMED])
+@pytest.mark.parametrize("base_name, mutations", NAMED, ids=[f"{b}-{m[0][1]}-{m[0][2] if m[0][0] != 'set' else m[0][2][0]}" for b, m in NAMED])
 def test_named_aborts_are_refused_with_the_file_and_field(bases, tmp_path, base_name, mutations):
     path = tmp_path / "mutated.gguf"
     write_mutated(bases[base_name], mutations, path)
     outcome, p = run_probe(path)
     assert outcome == "refused", (outcome, p.stdout[-500:] if p else "", p.stderr[-1500:] if p else "")
-    field = mutations[0][1] if mutations[0][0] == "set" else "d2t"
+    field = {"set": mutations[0][1], "retype_tensor": mutations[0][1]}.get(mutations[0][0], "d2t")
     assert field in p.stdout, p.stdout
