@@ -12,7 +12,7 @@ silent corruption), or exit 2 with exactly one stderr line and no output; in bot
 temp file left and every input byte-identical. Fail: anything else (traceback, other exit code,
 signal, hang past the timeout, changed input, leftover).
 
-Budget: DFLASH_FUZZ_EXAMPLES (default 4) per test; the long run and its numbers: docs/RELIABILITY.md.
+Budget: DFLASH_FUZZ_EXAMPLES (default 3) per test; the long run and its numbers: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "4"))
+EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "3"))
 REPORT = os.environ.get("DFLASH_FUZZ_REPORT")
 CASE_TIMEOUT_S = 120
 
