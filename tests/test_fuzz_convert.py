@@ -319,14 +319,15 @@ def apply_header(path: Path, mutations: list) -> None:
     header = json.loads(raw[8 : 8 + n])
     data = raw[8 + n :]
     names = sorted(k for k in header if k != "__metadata__")
+    original = {k: list(header[k]["data_offsets"]) for k in names}  # later edits start from the real extents
     length_edit = cut = None
     dup = None
     for op, index, how, amount in mutations:
         name = names[index % len(names)] if index is not None else None
         entry = header.get(name) if name else None
         if op == "offsets":
-            begin, end = entry["data_offsets"]
-            other = header[names[(index + 1) % len(names)]]["data_offsets"]
+            begin, end = original[name]
+            other = original[names[(index + 1) % len(names)]]
             entry["data_offsets"] = {
                 "shift": [begin + amount, end + amount],
                 "into_header": [-(n // 2), -(n // 2) + (end - begin)],
@@ -342,7 +343,7 @@ def apply_header(path: Path, mutations: list) -> None:
         elif op == "dtype":
             entry["dtype"] = how
         elif op == "shape":
-            shape = list(entry["shape"])
+            shape = [s for s in entry["shape"] if isinstance(s, int)]
             entry["shape"] = {
                 "swap": shape[::-1], "one_more": shape + [1], "zero": [0] + shape[1:], "negative": [-1] + shape[1:],
                 "float": [float(s) for s in shape], "empty": [], "huge": [2**62] + shape[1:],
