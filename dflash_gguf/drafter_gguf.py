@@ -10,6 +10,8 @@ llama-cpp-python 0.3.36 (reading is all this module does; it never calls libllam
 - `llama_model_dflash::load_arch_hparams` (src/models/dflash.cpp): required `target_layers`,
   the rms epsilon, DFlash2's conv/selector sizes;
 - `llama_model_loader` (src/llama-model-loader.cpp): every tensor dimension >= 1;
+- ggml's CPU kernels: norm weights F32 (an F16 one aborts), weight matrices of a float or quantized
+  type (an I32 / I64 one segfaults in mul_mat);
 - the graph (dflash.cpp): key length == value length, `d2t` is I64 with one entry per row of
   the drafter's own `output.weight` (without it the target's full-vocabulary head is used and the
   assert fails), `d2t` ids inside the vocabulary (ggml_set_rows), top-k <= vocabulary (ggml_top_k),
