@@ -28,9 +28,9 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 def test_builtin_suite_covers_math_code_and_chat() -> None:
     prompts = load_suite()
-    assert {p.category for p in prompts} == {"math", "code", "chat"}
+    assert {p.category for p in prompts} == {"math", "code", "chat", "copy-heavy"}
     assert len({p.id for p in prompts}) == len(prompts)
-    assert [p.category for p in load_suite(limit=1)] == ["math", "code", "chat"]
+    assert [p.category for p in load_suite(limit=1)] == ["math", "code", "chat", "copy-heavy"]
     assert {p.category for p in load_suite(categories=["code"])} == {"code"}
     assert builtin_suite_path().is_file()
 
@@ -194,3 +194,37 @@ def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target,
     assert 1 <= generation.n_tokens <= 4
     missing = reference_tau(embedded_target, None, [], max_tokens=4)
     assert not missing.available and "--reference-drafter" in missing.reason
+
+
+def test_copy_heavy_prompts_carry_their_sources() -> None:
+    lines = [json.loads(line) for line in builtin_suite_path().read_text(encoding="utf-8").splitlines() if line.strip()]
+    copy = [r for r in lines if r["category"] == "copy-heavy"]
+    assert len(copy) >= 8
+    assert all(r["source"] and r["from"] and r["license"] in ("MIT", "Apache-2.0", "CC BY 4.0") for r in copy)
+
+
+def test_bad_modes_are_one_line(capsys) -> None:
+    rc, _, err = run_cli(["--modes", "plain", "sideways"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_lookup_modes_run_interleaved_and_match_plain(tmp_path, capsys) -> None:
+    out = tmp_path / "results"
+    suite = [line for line in builtin_suite_path().read_text(encoding="utf-8").splitlines() if "self_instruct_seed-39" in line]
+    prompts = tmp_path / "copy.jsonl"
+    prompts.write_text(suite[0] + "\n", encoding="utf-8")  # the model re-emits this paragraph at once
+    rc, stdout, err = run_cli(
+        ["--prompts", str(prompts), "--max-tokens", "24", "--repeats", "1", "--threads", "1",
+         "--modes", "lookup", "dflash", "both", "--out", str(out), "--name", "modes", "--no-warmup"],
+        capsys,
+    )
+    assert rc == 0, err
+    data = json.loads((out / "modes.json").read_text())
+    assert data["settings"]["modes"] == ["plain", "lookup", "dflash", "both"]
+    (prompt,) = data["prompts"]
+    assert {r["mode"] for r in prompt["runs"]} == {"plain", "lookup", "dflash", "both"}
+    modes = data["summary"]["all"]["modes"]
+    assert set(modes) == {"lookup", "dflash", "both"}
+    assert modes["lookup"]["outputs_identical"] == 1 and modes["both"]["outputs_identical"] == 1
+    assert modes["lookup"]["lookup_accepted"] > 0 and modes["lookup"]["draft_accepted"] == 0
+    assert "lookup median" in stdout and "| copy-heavy | 1 |" in stdout

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     p.add_argument("--threads", type=_positive, help="threads for target and drafter (default: the runtime's)")
     p.add_argument("--n-ctx", type=_positive, default=2048, help="context size (default 2048)")
+    p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both"],
+                   help="decoding modes, interleaved per prompt (default: plain dflash); lookup = n-gram lookup drafts "
+                        "only, both = lookup and DFlash in one loop")
     p.add_argument("--block-size", type=_positive, help="fixed block size (default: adaptive)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
@@ -134,6 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
         peers=tuple(args.peers),
         llama_server=args.llama_server,
         reference_drafter=args.reference_drafter,
+        modes=tuple(dict.fromkeys(["plain"] + list(args.modes))),
     )
     result = run_benchmark(config, progress=lambda line: print(line, file=sys.stderr))
     paths = [
@@ -142,6 +146,8 @@ def _bench(args: argparse.Namespace) -> int:
         report.write_plot(result, out / f"{args.name}.png"),
     ]
     print(report.to_markdown(result), end="")
+    if set(config.modes) - {"plain", "dflash"}:
+        print(report.modes_markdown(result), end="")
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 

@@ -153,3 +153,26 @@ def write_plot(result: BenchResult, path: Path) -> Path:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def modes_markdown(result: BenchResult) -> str:
+    """Per category: each mode's median and slowest-prompt speedup over plain decoding (one interleaved run)."""
+    modes = [m for m in result.modes() if m != "plain"]
+    lines = [
+        "",
+        "| category | prompts | " + " | ".join(f"{m} median | {m} slowest" for m in modes) + " | identical |",
+        "|---|---|" + "---|---|" * len(modes) + "---|",
+    ]
+    for category in [None] + result.categories():
+        s = result.category_summary(category)
+        cells = []
+        for m in modes:
+            f = s["modes"][m]
+            cells += [_x(f["median_speedup"]), _x(f["min_speedup"])]
+        identical = " ".join(f"{m} {s['modes'][m]['outputs_identical']}/{s['prompts']}" for m in modes)
+        lines.append(f"| {category or 'all'} | {s['prompts']} | " + " | ".join(cells) + f" | {identical} |")
+    return "\n".join(lines) + "\n"
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"

@@ -30,7 +30,8 @@ class Generation:
     position_drafted: list[int] = field(default_factory=list)  # [k]: cycles that drafted slot k+1
     position_accepted: list[int] = field(default_factory=list)  # [k]: cycles whose slots 1..k+1 all passed
     plain_cycles: int = 0  # cycles the adaptive controller kept plain
-    reasons: dict[str, int] = field(default_factory=dict)  # cycles by Step kind (plain, draft, probe)
+    reasons: dict[str, int] = field(default_factory=dict)
+    source_accepted: dict[str, int] = field(default_factory=dict)  # accepted drafts by source name  # cycles by Step kind (plain, draft, probe)
 
     @property
     def n_tokens(self) -> int:
@@ -168,6 +169,30 @@ class BenchResult:
             "outputs_identical": sum(1 for x in identical if x),
             "plain": mode_summary([g for p in prompts for g in p.of("plain")]),
             "dflash": mode_summary([g for p in prompts for g in p.of("dflash")]),
+            "modes": {m: self._mode_speedups(prompts, m) for m in self.modes() if m != "plain"},
+        }
+
+    def modes(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.prompts:
+            for g in p.runs:
+                seen.setdefault(g.mode, None)
+        return list(seen)
+
+    @staticmethod
+    def _mode_speedups(prompts, mode: str) -> dict:
+        """One mode against plain: median and slowest-prompt speedup, identical outputs, lookup's share."""
+        speedups = [s for s in (p.speedup(mode) for p in prompts) if s is not None]
+        runs = [g for p in prompts for g in p.of(mode)]
+        return {
+            "median_speedup": _median(speedups),
+            "min_speedup": min(speedups) if speedups else None,
+            "outputs_identical": sum(1 for p in prompts if p.outputs_identical(mode)),
+            "tokens_per_s": _median([g.decode_tokens_per_s for g in runs]),
+            "tau": mode_summary(runs)["tau"],
+            "lookup_accepted": sum(g.source_accepted.get("lookup", 0) for g in runs),
+            "draft_accepted": sum(v for g in runs for k, v in g.source_accepted.items() if k != "lookup"),
+            "n_tokens": sum(g.n_tokens for g in runs),
         }
 
     def to_dict(self) -> dict:

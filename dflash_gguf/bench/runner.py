@@ -24,6 +24,7 @@ from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
 
 MODES = ("plain", "dflash")
+ALL_MODES = ("plain", "lookup", "dflash", "both")  # both: lookup and DFlash in one loop, the policy choosing
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,13 @@ class BenchConfig:
     peers: tuple[str, ...] = field(default_factory=tuple)
     llama_server: Path | None = None
     reference_drafter: Path | None = None
+    modes: tuple[str, ...] = MODES
 
     def validate(self) -> None:
         if not self.prompts:
             raise ValueError("no prompts to benchmark")
+        if "plain" not in self.modes or len(set(self.modes)) != len(self.modes) or set(self.modes) - set(ALL_MODES):
+            raise ValueError(f"modes must include plain, each once, from {', '.join(ALL_MODES)}; got {list(self.modes)}")
         for name in ("max_tokens", "repeats", "n_ctx"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -81,11 +85,12 @@ def timed_generation(session, messages: list[dict], mode: str, repeat: int, conf
     loop's own cost (acceptance bookkeeping, KV rollback, detokenisation, stop rules, the controller).
     """
     tokens: list[int] = []
+    _MODE_SETUP.get(id(session), {}).get(mode, lambda: None)()
     g = Generation(mode, repeat, tokens, prefill_s=0.0, ttft_s=0.0, decode_s=0.0)
     start = time.perf_counter()
     previous = first = start
     steps = chat_steps(
-        session, messages, max_tokens=config.max_tokens, speculative=mode == "dflash", block_size=config.block_size
+        session, messages, max_tokens=config.max_tokens, speculative=mode != "plain", block_size=config.block_size
     )
     for step in steps:
         now = time.perf_counter()
@@ -105,6 +110,36 @@ def timed_generation(session, messages: list[dict], mode: str, repeat: int, conf
     return g
 
 
+_MODE_SETUP: dict[int, dict] = {}
+
+
+def _setup_modes(session, modes) -> None:
+    """Each mode's draft sources on one Session: plain and dflash as built; lookup and both via use_lookup.
+
+    Each lookup mode keeps its own LookupSource (what it learns carries over between its generations, as in
+    a Session of that kind). Switching swaps the Session's source list and policy before a generation.
+    """
+    from dflash_gguf.lookup import use_lookup
+
+    built = (list(session._sources), session.__dict__.get("_policy"))
+
+    def restore(sources=built[0], policy=built[1]):
+        session._sources = list(sources)
+        if policy is None:
+            session.__dict__.pop("_policy", None)
+        else:
+            session._policy = policy
+
+    setups = {"plain": restore, "dflash": restore}
+    for mode in ("lookup", "both"):
+        if mode in modes:
+            use_lookup(session, dflash=mode == "both")
+            configured = (list(session._sources), session._policy)
+            setups[mode] = lambda c=configured: restore(*c)
+            restore()
+    _MODE_SETUP[id(session)] = setups
+
+
 def _count_cycle(g: Generation, step) -> None:
     g.reasons[step.kind.value] = g.reasons.get(step.kind.value, 0) + 1
     if step.n_drafted == 0:
@@ -112,6 +147,8 @@ def _count_cycle(g: Generation, step) -> None:
         return
     g.n_drafted += step.n_drafted
     g.n_accepted += step.n_accepted
+    if step.source:
+        g.source_accepted[step.source] = g.source_accepted.get(step.source, 0) + step.n_accepted
     for counts, upto in (
         (g.acceptance_histogram, step.n_accepted + 1),
         (g.position_drafted, step.n_drafted),
@@ -135,22 +172,25 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     with session:
         if session.drafter is None:
             raise ValueError("no drafter: pass --drafter FILE.gguf (a dflash drafter converted for this target)")
+        _setup_modes(session, config.modes)
         rss_loaded = _peak_rss_mib()
         conversations = {p.id: [{"role": "user", "content": p.prompt}] for p in config.prompts}
         if config.warmup:
             first = config.prompts[0]
-            for mode in MODES:
+            for mode in config.modes:
                 timed_generation(session, conversations[first.id], mode, -1, config)
         results = []
         for i, p in enumerate(config.prompts, 1):
             runs = [
                 timed_generation(session, conversations[p.id], mode, r, config)
                 for r in range(config.repeats)
-                for mode in MODES
+                for mode in config.modes
             ]
             results.append(PromptResult(p.id, p.category, runs))
-            speedup = results[-1].speedup()
-            progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {'-' if speedup is None else f'{speedup:.2f}x'}")
+            figures = ", ".join(
+                f"{m} {'-' if (x := results[-1].speedup(m)) is None else f'{x:.2f}x'}" for m in config.modes if m != "plain"
+            )
+            progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {figures}")
         peer_prompts = [peer_runs.PeerPrompt(p.id, *_chat_prompt(session, conversations[p.id])) for p in config.prompts]
         paths = (session.target.path, session.drafter.path)
         n_threads = config.n_threads or default_threads()
@@ -170,7 +210,8 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "n_ctx": config.n_ctx,
         "block_size": config.block_size or f"adaptive (up to {block})",
         "sampling": "greedy",
-        "order": "per prompt: plain, DFlash, plain, DFlash, ... (A B A B)",
+        "modes": list(config.modes),
+        "order": "per prompt, each repeat: " + ", ".join(config.modes) + " (interleaved)",
     }
     advice = kernel_advice(Path(paths[0]))
     if advice:

@@ -1,7 +1,13 @@
 """Benchmark prompts: a JSONL file in the shared prompt format, or the built-in default suite.
 
 The built-in suite is 18 prompts (6 math, 6 code, 6 chat) taken from the end of each source's range in
-the training prompts, so that a benchmark can be run on prompts the drafter was not trained on.
+the training prompts, so that a benchmark can be run on prompts the drafter was not trained on, and 9
+copy-heavy prompts (category "copy-heavy") where the answer re-emits text the prompt holds: code to fix,
+rewrite or refactor (GPTeacher codegen, MIT; Open-Assistant eval, Apache-2.0) and pasted documents to
+reformat, rewrite or extract from (Open-Assistant eval and self-instruct seed tasks, Apache-2.0), copied
+verbatim with their source, origin and license in each line. They were chosen by what they ask (the text to
+edit is in the prompt) before any lookup run, and may overlap the drafter's training prompts (it matters
+for DFlash's tau only; lookup learns nothing offline).
 """
 
 from __future__ import annotations
