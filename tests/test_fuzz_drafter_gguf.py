@@ -136,17 +136,17 @@ FLOATS = st.one_of(
     st.sampled_from([0.0, -0.0, -1.0, 1e-5, 1e-45, 1.0, 1e30, 3.4e38, float("nan"), float("inf"), float("-inf")]),
     st.floats(width=32, allow_nan=True, allow_infinity=True),
 )
-VALUES = st.one_of(
+VALUES = st.one_of(  # arrays of >= 1 entry: gguf-py's writer cannot write an empty one
     st.tuples(INTS, st.just(V.UINT32), st.none()),
     st.tuples(st.integers(-(2**31), 2**31 - 1), st.just(V.INT32), st.none()),
     st.tuples(FLOATS, st.just(V.FLOAT32), st.none()),
     st.tuples(st.booleans(), st.just(V.BOOL), st.none()),
     st.tuples(st.sampled_from(["", "silu", "gelu", "relu", "yarn", "none", "gpt2", "x" * 300, "16"]), st.just(V.STRING), st.none()),
-    st.tuples(st.lists(INTS, max_size=40), st.just(V.ARRAY), st.just(V.UINT32)),
-    st.tuples(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8), st.just(V.ARRAY), st.just(V.INT32)),
-    st.tuples(st.lists(st.booleans(), max_size=600), st.just(V.ARRAY), st.just(V.BOOL)),
-    st.tuples(st.lists(FLOATS, max_size=6), st.just(V.ARRAY), st.just(V.FLOAT32)),
-    st.tuples(st.lists(st.sampled_from(["a", "b", ""]), max_size=6), st.just(V.ARRAY), st.just(V.STRING)),
+    st.tuples(st.lists(INTS, min_size=1, max_size=40), st.just(V.ARRAY), st.just(V.UINT32)),
+    st.tuples(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=8), st.just(V.ARRAY), st.just(V.INT32)),
+    st.tuples(st.lists(st.booleans(), min_size=1, max_size=600), st.just(V.ARRAY), st.just(V.BOOL)),
+    st.tuples(st.lists(FLOATS, min_size=1, max_size=6), st.just(V.ARRAY), st.just(V.FLOAT32)),
+    st.tuples(st.lists(st.sampled_from(["a", "b", ""]), min_size=1, max_size=6), st.just(V.ARRAY), st.just(V.STRING)),
 )
 
 MUTATION = st.one_of(
