@@ -423,7 +423,7 @@ def calibrate(
         return timing.wall_s
 
     def time_draft(n: int) -> float:
-        memory.before_verify(p0, 1)
+        memory.before_verify(p0, 1, keep_min=0)
         target.decode([token], p0, logits=False)
         features = target.features(1)
         memory.keep(p0, [token], 0)

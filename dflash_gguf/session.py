@@ -18,12 +18,13 @@ from . import defaults
 from .controller import AdaptivePolicy, BlockController, FixedPolicy, Policy, calibrate
 from .decoding import CacheState, GenerationConfig, decode_steps
 from .drafter import Drafter
-from .memory import TargetMemory, memory_for
+from .memory import TargetMemory, memory_for, rs_seq_for
 from .sampling import SamplingParams
 from .sources import DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step
 from .target import Target
+from .target_gguf import drafter_block_size
 
 Message = Mapping[str, Any]
 
@@ -44,6 +45,20 @@ class Result:
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+
+
+def _rs_seq(drafter: str | os.PathLike[str] | None, n_batch: int) -> int:
+    """Recurrent-state snapshots a hybrid target needs to roll back any block of this drafter (0: none).
+
+    libllama ignores it for targets without recurrent state. A drafter file that cannot be read gets 0
+    here; the Drafter then says what is wrong with it.
+    """
+    if drafter is None or not isinstance(n_batch, int):
+        return 0
+    try:
+        return rs_seq_for(drafter_block_size(drafter), n_batch)
+    except Exception:  # noqa: BLE001 - reported by Drafter with the file and field
+        return 0
 
 
 def _default_drafter() -> Path | None:
@@ -76,6 +91,7 @@ class Session:
         flash_attn: bool = True,
         verbose: bool = False,
         wait: bool = True,
+        n_rs_seq: int | None = None,
     ) -> None:
         if drafter is None and target is None:
             drafter = _default_drafter()
@@ -87,6 +103,7 @@ class Session:
             n_threads=n_threads,
             flash_attn=flash_attn,
             verbose=verbose,
+            n_rs_seq=_rs_seq(drafter, n_batch) if n_rs_seq is None else n_rs_seq,
         )
         try:
             self._attach(tgt, drafter, n_threads, wait=wait)
@@ -151,7 +168,7 @@ class Session:
             self._sources: list[DraftSource] = []
             return
         if not self.memory.can_rollback:
-            self.speculative_disabled_reason = (
+            self.speculative_disabled_reason = self.memory.reason or (
                 f"{target.architecture} keeps recurrent state that this runtime cannot roll back"
             )
             warnings.warn(f"{self.speculative_disabled_reason}: speculative decoding is off, every generation decodes plainly",
