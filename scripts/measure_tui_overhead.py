@@ -65,7 +65,7 @@ async def in_app(app, pilot, session, prompt: str, speculative: bool, profiler) 
         app.history.pop()
     await pilot.pause(0.05)
     while app.busy:
-        await pilot.pause(0.02)
+        await pilot.pause(0.1)  # polls lightly: the script must not load the UI thread itself
     if profiler is not None:
         profiler.disable()
     cpu = thread_cpu_s(ui) - cpu0

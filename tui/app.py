@@ -1,8 +1,8 @@
 """The dflash-chat App: composes the transcript, prompt and stats panel, and drives the worker.
 
 All Session work happens on a worker thread (SessionWorker). The worker appends each Step to the
-reply's inbox; a timer drains it 10 times a second, appends the new text to the token view in one piece
-per provenance run, and redraws the stats panel at most 4 times a second, only when a figure changed.
+reply's inbox; a timer drains it 5 times a second, appends the new text to the token view in one piece
+per provenance run, and redraws the stats panel at most twice a second, only when a figure changed.
 The UI costs the decoder as little as it can (docs/TUI.md has the profile and the figures).
 
 The speedup shown is always like for like: the reply's loop speed over plain decoding measured under the
@@ -42,9 +42,9 @@ from dflash_gguf.tui.widgets import (
 from dflash_gguf.tui.worker import SessionWorker
 
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
-FLUSH_INTERVAL_S = 1 / 10
+FLUSH_INTERVAL_S = 1 / 5
 # the stats panel is redrawn at most this often (and only when a figure changed)
-STATS_INTERVAL_S = 1 / 4
+STATS_INTERVAL_S = 1 / 2
 # while the app runs, the interpreter hands the GIL over this often (CPython's default is 5 ms): the decode
 # loop returns from every C call needing the GIL back, and a UI thread busy drawing held it that long each
 # time (docs/TUI.md measures the effect)
