@@ -7,7 +7,7 @@ opened: the config, the architecture, the set of tensors and every tensor's shap
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,13 @@ import numpy as np
 from dflash_gguf.convert.config_schema import check_config, load_config_json
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import CheckpointTensor, check_regular_file, read_safetensors_index
-from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
+from dflash_gguf.schema import (
+    DEFAULT_BLOCK_SIZE, DFLASH_ARCHITECTURES, DSPARK_ARCHITECTURES, HF_IGNORED, HF_TO_GGUF, MARKOV_HEAD_TYPES, Tensors,
+    gguf_tensor_name,
+)
 
-ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-"""config.json `architectures` this converter knows -> checkpoint kind (upstream registers the same two)."""
+ARCHITECTURES = {**DFLASH_ARCHITECTURES, **DSPARK_ARCHITECTURES}
+"""config.json `architectures` this converter knows -> checkpoint kind (as upstream's converter registers them)."""
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,6 +51,8 @@ class DraftConfig:
     block_size: int
     mask_token_id: int
     hparams: dict[str, Any]  # the whole config.json, for the optional keys
+    sample_from_anchor: bool | None = None  # DSpark: anchor-first block (slot 0 predicts) or bonus anchor
+    markov_rank: int | None = None  # DSpark: from config.json, else from markov_w1's shape (load_checkpoint)
 
 
 def draft_value(hparams: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -97,6 +102,9 @@ def read_config(path: Path) -> DraftConfig:
         )
     arch = known[0]
     kind = ARCHITECTURES[arch]
+    sample_from_anchor = markov_rank = None
+    if kind == "dspark":
+        hparams, sample_from_anchor, markov_rank = normalise_dspark(hparams, path)
     check_config(hparams, path, kind)  # every key's type and range, from one table (config_schema.SCHEMA)
 
     hidden = _int(hparams, "hidden_size", path)
@@ -162,7 +170,44 @@ def read_config(path: Path) -> DraftConfig:
         block_size=_int(hparams, "block_size", path) if draft_value(hparams, "block_size") is not None else DEFAULT_BLOCK_SIZE,
         mask_token_id=mask_id,
         hparams=hparams,
+        sample_from_anchor=sample_from_anchor,
+        markov_rank=markov_rank,
     )
+
+
+def normalise_dspark(hparams: dict[str, Any], path: Path) -> tuple[dict[str, Any], bool, int | None]:
+    """DSpark's config schemas brought to DFlash's, as upstream's DSparkModel does: (hparams, sample_from_anchor, markov_rank).
+
+    The speculators export nests the transformer under `transformer_layer_config` and names target layers
+    `aux_hidden_state_layer_ids` (layer inputs, i.e. HF ids + 1); both forms default to the bonus-anchor
+    block (an EAGLE3-style 1+N layout), the DeepSpec / z-lab forms to the anchor-first block.
+    """
+    nested = hparams.get("transformer_layer_config")
+    if nested is not None and not isinstance(nested, dict):
+        raise ConversionError(f"{path}: transformer_layer_config must be an object, got {type(nested).__name__}")
+    anchor = hparams.get("sample_from_anchor", nested is None and "aux_hidden_state_layer_ids" not in hparams)
+    if not isinstance(anchor, bool):
+        raise ConversionError(f"{path}: sample_from_anchor must be true or false, got {anchor!r}")
+    hp = {**hparams, **(nested or {})}
+    if "aux_hidden_state_layer_ids" in hp:
+        aux = hp["aux_hidden_state_layer_ids"]
+        if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in aux):
+            raise ConversionError(f"{path}: aux_hidden_state_layer_ids must be a non-empty list of integers >= 1, got {aux!r}")
+        hp.setdefault("dflash_config", {"mask_token_id": hp.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]})
+    else:
+        hp.setdefault("dflash_config", {k: hp[k] for k in ("target_layer_ids", "mask_token_id") if k in hp})
+    head = draft_value(hp, "markov_head_type", "vanilla")
+    if head not in MARKOV_HEAD_TYPES:
+        raise ConversionError(
+            f"{path}: markov_head_type {head!r} is not supported (libllama's DSpark runs only {', '.join(MARKOV_HEAD_TYPES)!s})"
+        )
+    rank = draft_value(hp, "markov_rank")
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConversionError(f"{path}: markov_rank must be a non-negative integer, got {rank!r}")
+        if rank == 0:
+            raise ConversionError(f"{path}: markov_rank 0 (no Markov head) is not a DSpark drafter libllama can run; convert it as DFlash")
+    return hp, anchor, rank
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -206,6 +251,10 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                 Tensors.SELECTOR_HIDDEN: (rank, h),
             }
         )
+    if cfg.kind == "dspark":
+        rank = cfg.markov_rank or 0  # load_checkpoint fills it from markov_w1 when config.json does not say
+        shapes[Tensors.MARKOV_W1] = (cfg.vocab_size, rank)
+        shapes[Tensors.MARKOV_W2] = (cfg.draft_vocab_size or cfg.vocab_size, rank)
     if cfg.draft_vocab_size is not None:
         # reduced vocabulary: the draft rows' target ids (as offsets, upstream's convention) and their own head
         shapes[Tensors.D2T] = (cfg.draft_vocab_size,)
@@ -291,6 +340,8 @@ def load_checkpoint(src: str | Path) -> Checkpoint:
                 raise ConversionError(f"{file}: tensor {hf_name} appears twice")
             found[name] = tensor
 
+    if cfg.kind == "dspark":
+        cfg = _with_markov_rank(cfg, found, directory)
     required = expected_shapes(cfg)
     for name, shape in required.items():
         tensor = found.get(name)
@@ -342,10 +393,38 @@ def _hf_name(gguf_name: str, num_layers: int) -> str:
     return gguf_name
 
 
+def _with_markov_rank(cfg: DraftConfig, found: dict[str, CheckpointTensor], directory: Path) -> DraftConfig:
+    """A DSpark config with its Markov rank: config.json's, else markov_w1's second dimension."""
+    if cfg.markov_rank is not None:
+        return cfg
+    w1 = found.get(Tensors.MARKOV_W1)
+    if w1 is None:
+        raise ConversionError(f"{directory}: missing tensor markov_head.markov_w1.weight (a {cfg.architecture} needs its Markov head)")
+    if len(w1.shape) != 2 or w1.shape[1] < 1:
+        raise ConversionError(f"{w1.file}: tensor {w1.name} has shape {list(w1.shape)}, expected [vocab_size, markov_rank]")
+    return replace(cfg, markov_rank=int(w1.shape[1]))
+
+
 def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tuple[int, ...] | None:
-    """The shape an optional tensor (own embeddings, own full-vocabulary head) must have; None if not allowed."""
+    """The shape an optional tensor (own embeddings, own full-vocabulary head, sinks, confidence head) must have;
+    None if not allowed."""
     if name == Tensors.D2T:
         raise ConversionError(f"{tensor.file}: tensor {tensor.name} needs draft_vocab_size in config.json")
+    optional = {Tensors.ATTN_SINKS.format(bid=b): (cfg.num_heads,) for b in range(cfg.num_layers)}
+    if cfg.kind == "dspark":
+        optional[Tensors.CONF_PROJ] = (1, cfg.hidden_size + (cfg.markov_rank or 0))
+        optional[Tensors.CONF_PROJ_BIAS] = (1,)
+        if name == Tensors.CONF_PROJ and tensor.shape == (1, cfg.hidden_size):
+            raise ConversionError(
+                f"{tensor.file}: tensor {tensor.name} scores the hidden state alone (confidence_head_with_markov false); "
+                f"libllama's DSpark confidence head reads [hidden; markov_w1[prev]], shape [1, {optional[name][1]}]"
+            )
+    if name in optional:
+        if tensor.shape != optional[name]:
+            raise ConversionError(
+                f"{tensor.file}: tensor {tensor.name} has shape {list(tensor.shape)}, config.json implies {list(optional[name])}"
+            )
+        return optional[name]
     if name not in (Tensors.TOKEN_EMBD, Tensors.OUTPUT):
         return None
     shape = (cfg.vocab_size, cfg.hidden_size)

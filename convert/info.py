@@ -19,7 +19,7 @@ class DrafterInfo:
 
     path: Path
     architecture: str
-    kind: str  # "dflash" | "dflash2"
+    kind: str  # "dflash" | "dflash2" | "dspark"
     name: str | None
     n_layer: int
     n_embd: int
@@ -34,6 +34,9 @@ class DrafterInfo:
     fingerprint: str | None
     target_architecture: str | None
     converter_version: str | None
+    markov_rank: int | None = None  # DSpark: rank of the Markov head
+    has_confidence_head: bool = False  # DSpark: per-position acceptance predictions
+    sample_from_anchor: bool | None = None  # DSpark: anchor-first (True) or bonus-anchor (False) block
 
     @property
     def hf_target_layer_ids(self) -> list[int]:
@@ -56,7 +59,7 @@ def drafter_info(path: str | Path) -> DrafterInfo:
     return DrafterInfo(
         path=path,
         architecture=arch,
-        kind="dflash2" if Tensors.SELECTOR_HIDDEN in names else "dflash",
+        kind=_kind(names),
         name=field_value(reader, Keys.NAME),
         n_layer=int(field_value(reader, Keys.BLOCK_COUNT) or 0),
         n_embd=int(field_value(reader, Keys.EMBEDDING_LENGTH) or 0),
@@ -71,7 +74,43 @@ def drafter_info(path: str | Path) -> DrafterInfo:
         fingerprint=field_value(reader, Keys.TARGET_FINGERPRINT),
         target_architecture=field_value(reader, Keys.TARGET_ARCH),
         converter_version=field_value(reader, Keys.CONVERTER_VERSION),
+        markov_rank=_markov_rank(reader),
+        has_confidence_head=Tensors.CONF_PROJ in names,
+        sample_from_anchor=_anchor(reader) if Tensors.MARKOV_W1 in names else None,
     )
+
+
+def _kind(names: set[str]) -> str:
+    """As libllama decides: a Markov head makes a DSpark drafter, a selector a DFlash2 one."""
+    if Tensors.MARKOV_W1 in names:
+        return "dspark"
+    return "dflash2" if Tensors.SELECTOR_HIDDEN in names else "dflash"
+
+
+def _markov_rank(reader) -> int | None:
+    for t in reader.tensors:
+        if t.name == Tensors.MARKOV_W1:
+            return int(t.shape[0])  # ggml order: {rank, n_vocab}
+    return None
+
+
+def _anchor(reader) -> bool:
+    value = field_value(reader, Keys.SAMPLE_FROM_ANCHOR)
+    return True if value is None else bool(value)  # libllama's default when the key is absent
+
+
+KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}
+
+
+def _dspark_rows(info: DrafterInfo) -> list[tuple[str, str]]:
+    if info.kind != "dspark":
+        return []
+    layout = "anchor-first (a block of B drafts B tokens)" if info.sample_from_anchor else "bonus anchor (B - 1 drafts)"
+    return [
+        ("markov rank", str(info.markov_rank)),
+        ("confidence head", "yes" if info.has_confidence_head else "no"),
+        ("block layout", layout),
+    ]
 
 
 def format_info(info: DrafterInfo) -> str:
@@ -84,10 +123,11 @@ def format_info(info: DrafterInfo) -> str:
     )
     rows = [
         ("file", str(info.path)),
-        ("architecture", f"{info.architecture} ({info.kind})"),
+        ("architecture", f"{info.architecture} ({KIND_NAMES.get(info.kind, info.kind)})"),
         ("name", info.name or "-"),
         ("layers", f"{info.n_layer} x {info.n_embd} hidden"),
         ("block size", str(info.block_size) if info.block_size is not None else "not set (llama.cpp assumes 16)"),
+        *_dspark_rows(info),
         ("target layers", f"{info.target_layers} (HF target_layer_ids {info.hf_target_layer_ids})"),
         ("mask token id", str(info.mask_token_id) if info.mask_token_id is not None else "-"),
         ("tokenizer", f"{info.n_vocab} tokens" if info.has_tokenizer else f"none ({info.n_vocab} token ids)"),

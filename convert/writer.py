@@ -123,6 +123,9 @@ def _add_metadata(
         causal = dflash_config.get("causal")
     if causal is not None:
         w.add_bool(Keys.CAUSAL, bool(causal))
+    if cfg.kind == "dspark":
+        w.add_bool(Keys.SAMPLE_FROM_ANCHOR, bool(cfg.sample_from_anchor))
+        w.add_bool(Keys.HAS_CONFIDENCE_HEAD, Tensors.CONF_PROJ in ckpt.tensors)
 
     if target is None:
         w.add_string(Keys.TOKENIZER_MODEL, NO_VOCAB)

@@ -18,6 +18,7 @@ import numpy as np
 from llama_cpp import llama_cpp as capi
 
 from . import drafter_gguf, llama_ext
+from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
 from .target import NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
@@ -123,9 +124,21 @@ class Drafter(NativeResource):
         self.causal = meta_str(model, Keys.CAUSAL) == "true"
         self.selector_top_k = int(llama_ext.model_dflash_selector_top_k(model))
         self.is_dflash2 = self.selector_top_k > 0
-        self.kind = "dflash2" if self.is_dflash2 else "dflash"  # the draft source's name in Steps and stats
-        self.max_draft = self.block_size - 1  # block = [last committed token, drafts]
         self.n_embd = capi.llama_model_n_embd(model)
+        # DSpark: a Markov head (libllama builds it when markov_w1 is present); its weights on the host too,
+        # to re-condition sampled drafts on the token drawn rather than the graph's argmax
+        self.markov: MarkovHead | None = None if self.is_dflash2 else load_markov_head(self.path, self.n_embd)
+        self.is_dspark = self.markov is not None
+        self.has_confidence_head = self.is_dspark and meta_str(model, Keys.HAS_CONFIDENCE_HEAD) != "false" and (
+            self.markov.conf_markov is not None
+        )
+        # anchor-first (DSpark default): slot 0 already predicts, so a block of B drafts B tokens;
+        # the bonus-anchor layout (and DFlash) spend slot 0 on the last committed token
+        self.sample_from_anchor = self.is_dspark and meta_str(model, Keys.SAMPLE_FROM_ANCHOR) != "false"
+        self._lead = 0 if self.sample_from_anchor else 1
+        self.kind = "dflash2" if self.is_dflash2 else "dspark" if self.is_dspark else "dflash"  # source name in Steps
+        self.max_draft = self.block_size - self._lead
+        self.last_confidences: np.ndarray | None = None  # the last draft's per-slot confidences (DSpark head)
         self.n_vocab = target.n_vocab
         self._logit_scale = _meta_float(model, Keys.LOGIT_SCALE)
         self._softcap = _meta_float(model, Keys.FINAL_LOGIT_SOFTCAPPING)
@@ -151,8 +164,8 @@ class Drafter(NativeResource):
         self.n_ubatch = capi.llama_n_ubatch(self._ctx)
         self.n_features = len(self.layers) * target.n_embd
         capi.llama_set_causal_attn(self._ctx, self.causal)
-        if self.is_dflash2:
-            # the selector lattice comes back through the unmasked nextn rows, one per block token
+        if self.is_dflash2 or self.has_confidence_head:
+            # the selector lattice / DSpark's confidences come back through the unmasked nextn rows, one per block token
             llama_ext.set_embeddings_nextn(self._ctx, True, False)
         self._batch = capi.llama_batch_ext_init(self._ctx)
         self._pos = (capi.llama_pos * 4)()
@@ -195,16 +208,21 @@ class Drafter(NativeResource):
         """One non-causal pass over [last, mask x n_draft] at positions pos..; the noise K/V is dropped after.
 
         Returns a view valid until the next drafter call: DFlash -> logits (n_draft, V) of slots 1..n_draft;
-        DFlash2 -> selector lattice rows (n_draft, n_embd) of those slots.
+        DFlash2 -> selector lattice rows (n_draft, n_embd) of those slots; DSpark -> the Markov-biased logits
+        of its n_draft prediction slots (anchor-first: [last, mask x (n_draft - 1)], slots 0..n_draft-1;
+        bonus anchor: as DFlash), with `last_confidences` set from its confidence head (else None).
         """
-        if not 1 <= n_draft < self.block_size:
-            raise ValueError(f"n_draft must be in [1, {self.block_size - 1}] for block size {self.block_size}, got {n_draft}")
+        lead = self._lead
+        if not 1 <= n_draft <= self.max_draft:
+            raise ValueError(f"n_draft must be in [1, {self.max_draft}] for block size {self.block_size}, got {n_draft}")
         if not 0 <= last_token < self.n_vocab:
             raise ValueError(f"token id must be in [0, {self.n_vocab}), got {last_token}")
-        if pos < 0 or pos + n_draft + 1 > self.n_ctx:
-            raise ValueError(f"block [{pos}, {pos + n_draft + 1}) outside the drafter context of {self.n_ctx}")
+        n_block = n_draft + lead
+        if pos < 0 or pos + n_block > self.n_ctx:
+            raise ValueError(f"block [{pos}, {pos + n_block}) outside the drafter context of {self.n_ctx}")
+        self.last_confidences = None
         capi.llama_batch_ext_clear(self._batch)
-        for i in range(n_draft + 1):
+        for i in range(n_block):
             idx = capi.llama_batch_ext_add_token(self._batch, 0, last_token if i == 0 else self.mask_token_id)
             if idx < 0:
                 raise RuntimeError(f"could not add block slot {i} to the drafter batch ({idx})")
@@ -219,7 +237,15 @@ class Drafter(NativeResource):
             if not ptr:
                 raise RuntimeError("DFlash2 selector produced no lattice")
             return np.ctypeslib.as_array(ptr, shape=(n_draft + 1, self.n_embd))[1:]
-        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(n_draft + 1, self.n_vocab))[1:]
+        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(n_block, self.n_vocab))[lead:]
+        if self.has_confidence_head:
+            ptr = llama_ext.get_embeddings_nextn(self._ctx)
+            if not ptr:
+                raise RuntimeError("DSpark confidence head produced no output")
+            # each confidence is broadcast across an n_embd-wide row (dflash.cpp reuses the nextn output)
+            self.last_confidences = np.ctypeslib.as_array(ptr, shape=(n_block, self.n_embd))[lead:, 0].copy()
+        if self.is_dspark:
+            return logits  # the Markov chain needs the untransformed rows; propose() applies the transforms
         return self._output_transforms(logits)
 
     def _output_transforms(self, logits: np.ndarray) -> np.ndarray:
@@ -237,10 +263,40 @@ class Drafter(NativeResource):
         out = self.draft(last_token, pos, n_draft)
         if self.is_dflash2:
             return self._walk_lattice(out, params, rng)
+        if self.is_dspark:
+            return self._walk_markov(out, last_token, params, rng)
         if params.greedy:
             return Proposal(tokens=out.argmax(axis=1))
         q = probabilities(out, params)
         return Proposal(tokens=np.array([sample_token(row, rng) for row in q]), q=q)
+
+    def _walk_markov(
+        self, rows: np.ndarray, last_token: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        """DSpark: the graph chained each slot's Markov bias on the previous slot's argmax (the anchor first).
+
+        Greedy drafts are that chain. A sampled draft re-conditions each slot on the token actually drawn
+        before it (DeepSpec's semantics), and the row it is then drawn from is the q it reports, so rejection
+        sampling sees exactly the proposal used. Confidences are rescored the same way.
+        """
+        conf = self.last_confidences
+        if params.greedy:
+            tokens = rows.argmax(axis=1)
+            return Proposal(tokens=tokens, confidences=None if conf is None else conf.copy())
+        head = self.markov
+        n = rows.shape[0]
+        tokens = np.empty(n, dtype=np.int64)
+        q = np.empty((n, self.n_vocab), dtype=np.float64)
+        confidences = None if conf is None else np.empty(n, dtype=np.float64)
+        graph_prev = prev = int(last_token)
+        for i in range(n):
+            row = head.correct(rows[i], graph_prev, prev)
+            if confidences is not None:
+                confidences[i] = head.correct_confidence(conf[i], graph_prev, prev)
+            q[i] = probabilities(self._output_transforms(row[None]), params)[0]
+            tokens[i] = sample_token(q[i], rng)
+            graph_prev, prev = int(rows[i].argmax()), int(tokens[i])
+        return Proposal(tokens=tokens, q=q, confidences=confidences)
 
     def _walk_lattice(self, lattice: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Proposal:
         """DFlash2: pick one candidate per slot given the previous pick, as upstream decodes the lattice."""

@@ -209,6 +209,12 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec(Tensors.SELECTOR_PREV, lambda h: (int(h.get("selector_rank")), h.n_vocab), kinds=("dflash2",)),
     TensorSpec(Tensors.SELECTOR_NEXT, lambda h: (int(h.get("selector_rank")), h.n_vocab), kinds=("dflash2",)),
     TensorSpec(Tensors.SELECTOR_HIDDEN, lambda h: (h.n_embd, int(h.get("selector_rank"))), kinds=("dflash2",)),
+    # DSpark (load_arch_tensors: markov_meta): {rank, n_vocab}, {rank, n_vocab_draft}, conf {n_embd + rank, 1};
+    # the rank is markov_w1's, checked across them by _check_dspark
+    TensorSpec(Tensors.MARKOV_W1, lambda h: (None, h.n_vocab), kinds=("dspark",)),
+    TensorSpec(Tensors.MARKOV_W2, lambda h: (None, h.n_draft), kinds=("dspark",)),
+    TensorSpec(Tensors.CONF_PROJ, lambda h: (None, 1), required=False, kinds=("dspark",)),
+    TensorSpec(Tensors.CONF_PROJ_BIAS, lambda h: (1,), required=False, storage="f32", kinds=("dspark",)),
 )
 
 KIND_MARKERS: tuple[tuple[str, str], ...] = (
@@ -716,5 +722,21 @@ def _check(header: GGUFHeader, fail: _Fail) -> set[str]:
         if problem:
             raise DrafterGGUFError(f"{path}: {problem}")
     _check_tensors(h, tensors, kinds, fail)
+    if "dspark" in kinds:
+        _check_dspark(h, tensors, fail)
     _check_d2t(h, header, fail)
     return kinds
+
+
+def _check_dspark(h: Hparams, tensors: dict[str, Any], fail: _Fail) -> None:
+    """The Markov head's rank is markov_w1's ne0; markov_w2 and conf_proj must agree (create_tensor would throw
+    on a mismatch, but a wrong row count of a matrix read by get_rows / mul_mat is what asserts)."""
+    rank = int(tensors[Tensors.MARKOV_W1].shape[0])
+    w2 = tuple(int(d) for d in tensors[Tensors.MARKOV_W2].shape)
+    if w2[0] != rank:
+        raise fail(Tensors.MARKOV_W2, f"tensor shape {list(w2)}, markov_w1 has rank {rank}")
+    conf = tensors.get(Tensors.CONF_PROJ)
+    if conf is not None and int(conf.shape[0]) != h.n_embd + rank:
+        raise fail(Tensors.CONF_PROJ, f"tensor shape {[int(d) for d in conf.shape]}, expected [{h.n_embd + rank}, 1] (hidden + markov rank)")
+    if Tensors.CONF_PROJ_BIAS in tensors and conf is None:
+        raise fail(Tensors.CONF_PROJ_BIAS, "a confidence bias without conf_proj.weight")

@@ -62,6 +62,9 @@ class Keys:
     CONV_GROUP_SIZE = _arch_key("conv_group_size")
     SELECTOR_RANK = _arch_key("selector_rank")
     SELECTOR_TOP_K = _arch_key("selector_top_k")
+    # DSpark: the Markov head's block layout and whether a confidence head is present
+    SAMPLE_FROM_ANCHOR = _arch_key("sample_from_anchor")  # true: anchor-first (slot 0 predicts); false: bonus anchor
+    HAS_CONFIDENCE_HEAD = _arch_key("has_confidence_head")
 
     # tokenizer
     MASK_TOKEN_ID = "tokenizer.ggml.mask_token_id"
@@ -108,6 +111,13 @@ class Tensors:
     SELECTOR_NEXT = "selector_successor.weight"
     SELECTOR_HIDDEN = "selector_hidden.weight"
 
+    # DSpark: low-rank Markov head (bias = W2 @ W1[prev token]) and the optional confidence head
+    MARKOV_W1 = "markov_w1.weight"  # HF (n_vocab, rank): an embedding of the previous token
+    MARKOV_W2 = "markov_w2.weight"  # HF (n_vocab_draft, rank)
+    CONF_PROJ = "conf_proj.weight"  # HF (1, n_embd + rank): over [hidden; W1[prev]]
+    CONF_PROJ_BIAS = "conf_proj.bias"  # HF (1,)
+    ATTN_SINKS = "blk.{bid}.attn_sinks.weight"  # per-head attention sinks (HF self_attn.sinks)
+
 
 # HF (z-lab checkpoint) name -> GGUF name. `{bid}` is the layer index.
 HF_TO_GGUF: dict[str, str] = {
@@ -137,7 +147,25 @@ HF_TO_GGUF: dict[str, str] = {
     "candidate_selector.successor_codebook.weight": Tensors.SELECTOR_NEXT,
     "candidate_selector.successor_codebook": Tensors.SELECTOR_NEXT,
     "candidate_selector.hidden_projection.weight": Tensors.SELECTOR_HIDDEN,
+    "markov_head.markov_w1.weight": Tensors.MARKOV_W1,
+    "markov_head.markov_w2.weight": Tensors.MARKOV_W2,
+    "confidence_head.proj.weight": Tensors.CONF_PROJ,
+    "confidence_head.proj.bias": Tensors.CONF_PROJ_BIAS,
+    "layers.{bid}.self_attn.sinks": Tensors.ATTN_SINKS,
+    "layers.{bid}.self_attn.sinks.weight": Tensors.ATTN_SINKS,
 }
+
+# config.json `architectures` -> drafter kind, as upstream's converter registers them
+# (conversion/qwen.py DFlashModel and DSparkModel)
+DFLASH_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+DSPARK_ARCHITECTURES = {
+    "DSparkDraftModel": "dspark",
+    "Qwen3DSparkModel": "dspark",
+    "DSparkSpeculator": "dspark",  # vllm speculators export: nested transformer_layer_config, bonus-anchor block
+    "Lfm2DSparkDraftModel": "dspark",
+}
+MARKOV_HEAD_TYPES = ("vanilla",)
+"""What libllama's build_dspark_markov_head computes: bias = W2 @ W1[prev]; gated / rnn heads are not."""
 
 # HF tensors that are never written: rotary caches, and `t2d` (unused at runtime).
 HF_IGNORED = re.compile(r"(^|\.)(rotary_emb\.inv_freq|t2d)$")
