@@ -239,8 +239,12 @@ class HybridMemory(TargetMemory):
         checkpoint, self._checkpoint = self._checkpoint, None
         if n_keep == n:
             return
-        if n_keep == 0 and n_past == 0:
-            t.remove(0, 0)  # back to empty: a full clear is always exact (calibration on an empty context)
+        if n_past == 0 and checkpoint is None:
+            # the state before position 0 is empty: a full clear restores it exactly (calibration)
+            t.remove(0, 0)
+            if n_keep:
+                t.decode(list(block[:n_keep]), 0, logits=False)
+                self.replayed_tokens += n_keep
             self._rolled_at = t.decode_count
             return
         if checkpoint is None and self.can_snapshot(n, n_keep) and t.decode_count != self._rolled_at:
