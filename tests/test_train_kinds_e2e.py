@@ -1,6 +1,6 @@
 """Tiny end-to-end runs on the embedded target: top-k logits in the cache, the token archive and
-the cache rebuilt from it, every drafter kind learning, DFlash 2 through the converter into the
-Session, and the target-initialised drafter."""
+the cache rebuilt from it, every drafter kind learning, DFlash 2 and DSpark through the converter into
+the Session, and the target-initialised drafter."""
 
 from __future__ import annotations
 
@@ -108,24 +108,27 @@ def test_every_kind_halves_its_loss_on_a_fixed_batch(tiny, kind, extra, tmp_path
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_dflash2_run_converts_and_keeps_greedy_output_in_the_session(tiny, embedded_target, tmp_path):
+@pytest.mark.parametrize("kind,arch,extra", [
+    ("dflash2", "DFlash2DraftModel", {"draft_vocab": None}),
+    ("dspark", "DSparkDraftModel", {}),
+])
+def test_run_converts_and_keeps_greedy_output_in_the_session(tiny, embedded_target, tmp_path, kind, arch, extra):
     import shutil
 
-    from dflash_gguf.drafter import Drafter as NativeDrafter
     from dflash_gguf.session import Session
 
-    out = tmp_path / "d2"
+    out = tmp_path / kind
     out.mkdir()
     for name in ("data", "eval_data", "split.json"):
         shutil.copytree(Path(tiny.out) / name, out / name) if (Path(tiny.out) / name).is_dir() else shutil.copy(Path(tiny.out) / name, out / name)
-    cfg = replace(tiny, out=out, kind="dflash2", draft_vocab=None, steps=4, eval_every=2, save_every=2)
+    cfg = replace(tiny, out=out, kind=kind, steps=4, eval_every=2, save_every=2, **extra)
     result = run(cfg, stage="train", progress=False)
     hf = json.loads((result.checkpoint / "config.json").read_text())
-    assert hf["architectures"] == ["DFlash2DraftModel"]
+    assert hf["architectures"] == [arch]
     run(cfg, stage="export", progress=False)
     messages = [{"role": "user", "content": "What is 2 plus 2?"}]
     with Session(embedded_target, cfg.gguf_path, n_ctx=512, n_threads=1) as s:
-        assert s.drafter.kind == "dflash2"
+        assert s.drafter.kind == kind
         fast = s.chat(messages, max_tokens=12, temperature=0.0, block_size=16)
         plain = s.chat(messages, max_tokens=12, temperature=0.0, speculative=False)
     assert fast.stats.cycles > 0
