@@ -494,5 +494,7 @@ def test_snapshot_idle_screen(session, snap_compare) -> None:
 
 
 def test_snapshot_finished_reply(session, snap_compare) -> None:
+    # the status line counts cached prompt tokens: start from an empty cache whatever ran before
+    session.reset()
     app = ChatApp(session, options(max_tokens=24, hide_timing=True))
     assert snap_compare(app, terminal_size=SIZE, run_before=_finished_reply)
