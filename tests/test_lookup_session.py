@@ -59,7 +59,6 @@ def test_steps_mark_lookup_tokens(embedded_target):
     assert sum(p is TokenSource.LOOKUP for st in steps for p in st.provenance) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="Session must build a LookupSource itself when it has no drafter (issue 13 note)")
 def test_a_session_without_drafter_speculates(embedded_target):
     with Session(embedded_target, n_ctx=1024, n_threads=1) as s:
         r = _chat(s, COPY)
@@ -89,3 +88,12 @@ def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
         forced = np.zeros_like(probs)
         forced[drafted] = 1.0
         assert chi_square_p_value(after, forced) < ALPHA
+
+
+def test_lookup_next_to_the_drafter_through_the_session_option(embedded_target):
+    with Session(embedded_target, embedded_drafter(), n_ctx=1024, n_threads=1, lookup=True) as s:
+        r = _chat(s, COPY)
+        s.reset()
+        plain = s.chat([{"role": "user", "content": COPY}], max_tokens=r.stats.n_tokens, speculative=False)
+    assert r.tokens == plain.tokens
+    assert "lookup" in r.stats.per_source or r.stats.plain_cycles == r.stats.cycles
