@@ -15,9 +15,13 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import defaults
-from .controller import AdaptivePolicy, BlockController, FixedPolicy, Policy, calibrate
+from .controller import (
+    AdaptivePolicy, BlockController, CostModel, FixedPolicy, LookupPolicy, Policy, calibrate, calibrate_verify,
+    extend_verify_costs,
+)
 from .decoding import CacheState, GenerationConfig, decode_steps
 from .drafter import Drafter
+from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .sampling import SamplingParams
 from .sources import DraftSource, NativeDrafterSource
@@ -92,6 +96,7 @@ class Session:
         verbose: bool = False,
         wait: bool = True,
         n_rs_seq: int | None = None,
+        lookup: bool | None = None,
     ) -> None:
         if drafter is None and target is None:
             drafter = _default_drafter()
@@ -106,7 +111,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, n_batch) if n_rs_seq is None else n_rs_seq,
         )
         try:
-            self._attach(tgt, drafter, n_threads, wait=wait)
+            self._attach(tgt, drafter, n_threads, wait=wait, lookup=lookup)
         except BaseException:
             tgt.close()
             raise
@@ -120,13 +125,14 @@ class Session:
         *,
         n_threads: int | None = None,
         wait: bool = True,
+        lookup: bool | None = None,
     ) -> "Session":
         """Wrap an existing llama_cpp.Llama: its model and context become the target (still owned by it).
 
         Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README).
         """
         self = cls.__new__(cls)
-        self._attach(Target.from_llama(llama), drafter, n_threads, wait=wait)
+        self._attach(Target.from_llama(llama), drafter, n_threads, wait=wait, lookup=lookup)
         self._llama = llama
         llama.reset()
         return self
@@ -142,15 +148,23 @@ class Session:
                 target.close()
                 raise
         other = Session.__new__(Session)
-        other._attach(target, drafter, None, wait=self._wait)
+        other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None)
         other._llama = None
         return other
 
     def _attach(
-        self, target: Target, drafter: str | os.PathLike[str] | Drafter | None, n_threads: int | None, *, wait: bool
+        self,
+        target: Target,
+        drafter: str | os.PathLike[str] | Drafter | None,
+        n_threads: int | None,
+        *,
+        wait: bool,
+        lookup: bool | None,
     ) -> None:
         if not isinstance(wait, bool):
             raise TypeError(f"wait must be a bool, got {wait!r}")
+        if lookup is not None and not isinstance(lookup, bool):
+            raise TypeError(f"lookup must be None (on without a drafter), True or False, got {lookup!r}")
         self.target = target
         self.drafter: Drafter | None = None
         self.memory: TargetMemory = memory_for(target)
@@ -164,8 +178,13 @@ class Session:
         self._generation_thread: int | None = None
         self._native = threading.Lock()  # held while a cycle runs in C: close() waits for it
         self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
+        self._sources: list[DraftSource] = []
+        self._lookup: LookupSource | None = None
+        self._lookup_costs: CostModel | None = None
+        if self.memory.can_rollback and (lookup if lookup is not None else drafter is None):
+            self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
+            self._sources.append(self._lookup)
         if drafter is None:
-            self._sources: list[DraftSource] = []
             return
         if not self.memory.can_rollback:
             self.speculative_disabled_reason = self.memory.reason or (
@@ -178,7 +197,7 @@ class Session:
             self._sources = []
             return
         self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
-        self._sources = [NativeDrafterSource(self.drafter)]
+        self._sources.append(NativeDrafterSource(self.drafter))
 
     # -- generation ------------------------------------------------------------------------
     def stream(
@@ -288,10 +307,29 @@ class Session:
         )
 
     def _policy(self, config: GenerationConfig) -> Policy:
-        source = self._sources[0]
+        """Fixed blocks; else the drafter's controller, with lookup competing where the Session has it."""
         if config.block_size is not None:
             return FixedPolicy(config.block_size)
-        return AdaptivePolicy(source.name, self._controller())
+        native = self._sources[-1] if self.drafter is not None else None
+        if self._lookup is None:
+            return AdaptivePolicy(native.name, self._controller())
+        if native is None:
+            return LookupPolicy(self._lookup, self._lookup_verify_costs())
+        controller = self._controller()
+        if max(controller.costs.target.points()) < self._lookup.max_draft + 1:
+            controller.costs = extend_verify_costs(
+                controller.costs, self.target, memory=self.memory, max_tokens=self._lookup.max_draft + 1
+            )
+        return LookupPolicy(self._lookup, native=native.name, controller=controller)
+
+    def _lookup_verify_costs(self) -> CostModel:
+        """Verify costs up to lookup's longest draft, measured once (on an empty context if need be)."""
+        if self._lookup_costs is None:
+            n = self._lookup.max_draft + 1
+            if self.target.pos_max(0) + 1 + n > self.target.n_ctx_seq or self.memory.name != "kv":
+                self._forget()
+            self._lookup_costs = calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+        return self._lookup_costs
 
     def _controller(self) -> BlockController:
         """One controller for the Session's life: the measured costs, the acceptance profile and its

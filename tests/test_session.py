@@ -262,7 +262,8 @@ def test_bad_files_raise_before_anything_runs(tmp_path, embedded_target):
 
 
 def test_a_session_without_drafter_decodes_plainly_with_a_warning(embedded_target, llama):
-    with Session(target=embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    """With lookup off (without a drafter it is on by default: tests/test_lookup_session.py)."""
+    with Session(target=embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=2, lookup=False) as s:
         with pytest.warns(UserWarning, match="no drafter"):
             r = s.generate(PROMPTS[0], max_tokens=8)
         assert r.tokens == llama_greedy(llama, PROMPTS[0], 8) and not r.stats.speculative
