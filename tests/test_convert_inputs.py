@@ -157,7 +157,7 @@ def test_info_prints_what_the_drafter_holds(capsys, dflash2_gguf_path, embedded_
     text = capsys.readouterr().out
     lines = dict(line.split(":", 1) for line in text.strip().splitlines())
     lines = {k.strip(): v.strip() for k, v in lines.items()}
-    assert lines["architecture"] == "dflash (dflash2)"
+    assert lines["architecture"] == "dflash (DFlash2)"
     assert lines["block size"] == "16"
     assert lines["target layers"].startswith(str(GGUF_LAYERS))
     assert lines["mask token id"] == str(MASK_TOKEN_ID)
@@ -220,5 +220,5 @@ def test_cli_end_to_end_without_torch(reference_checkpoint_dflash2, embedded_tar
     info = subprocess.run([sys.executable, "-m", "dflash_gguf.convert", "--info", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert info.returncode == 0, info.stderr
-    assert "dflash (dflash2)" in info.stdout and "Q8_0" in info.stdout
+    assert "dflash (DFlash2)" in info.stdout and "Q8_0" in info.stdout
     assert read_target_info(embedded_target).fingerprint in info.stdout
