@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dflash_gguf.convert.errors import ConversionError
-from dflash_gguf.convert.safetensors_reader import read_regular_text
+from dflash_gguf.convert.safetensors_reader import _Duplicate, _no_constant, _no_duplicates, read_regular_text
 
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
@@ -341,20 +341,3 @@ def read_regular_text_checked(path: Path, what: str) -> str:
         raise ConversionError(f"{path}: invalid {what} (not UTF-8: {e.reason})") from None
     except OSError as e:
         raise ConversionError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-class _Duplicate(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _Duplicate(key)
-        seen[key] = value
-    return seen
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
