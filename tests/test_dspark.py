@@ -260,6 +260,7 @@ def _edit_tensor(ck: Path, name: str, value) -> None:
 
 
 def _assert_refused(capsys, ck: Path, out: Path, *words: str) -> None:
+    capsys.readouterr()  # what building the checkpoint printed is not the converter's
     try:
         code = main([str(ck), str(out), "--no-progress"])
     except SystemExit as e:
@@ -306,7 +307,7 @@ def test_markov_head_in_a_dflash_checkpoint_is_refused(dspark, tmp_path, capsys)
     ck = _variant(dspark, tmp_path)
     _edit_config(ck, architectures=["DFlashDraftModel"], dflash_config={"block_size": 8, "mask_token_id": 16,
                  "target_layer_ids": [1, 8, 15, 22, 27]})
-    _assert_refused(capsys, ck, tmp_path / "o.gguf", "markov_head.markov_w1")
+    _assert_refused(capsys, ck, tmp_path / "o.gguf", "unexpected tensor")  # a Markov or confidence tensor, whichever is met first
 
 
 def test_markov_rank_zero_is_refused(dspark, tmp_path):

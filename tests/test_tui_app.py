@@ -269,7 +269,8 @@ def compare_rows(app: ChatApp) -> dict[str, str]:
 
 def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(session) -> None:
     """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing."""
-    app = ChatApp(session, options(max_tokens=48))
+    # long enough that the plain compare run outlasts a panel draw (2 Hz) on a fast machine too
+    app = ChatApp(session, options(max_tokens=240))
     seen: list[dict[str, str]] = []
 
     async def scenario(pilot: Pilot) -> None:
