@@ -21,7 +21,7 @@ from . import drafter_gguf, llama_ext
 from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
-from .target import NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
+from .target import ClosedError, NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
 
 
 class PairingError(ValueError):
@@ -78,7 +78,18 @@ def check_pairing(model: capi.llama_model_p, path: Path, target: Target) -> None
 
 
 class Drafter(NativeResource):
-    """One `dflash` drafter model + context tied to a Target's context."""
+    """One `dflash` drafter model + context tied to a Target's context.
+
+    Its graph reads the target context's embeddings and LM head (`ctx_other`), so every entry that
+    reaches C checks that both are open: closing the target first leaves a drafter that raises.
+    """
+
+    def _check_open(self) -> None:
+        """ClosedError when this drafter or its target is closed (two attribute tests)."""
+        if self._ctx is None:
+            raise self._closed_error()
+        if self.target.closed:
+            raise ClosedError(f"the target of this Drafter ({self.path}) is closed")
 
     def __init__(
         self,
@@ -102,8 +113,10 @@ class Drafter(NativeResource):
 
     def fork(self, target: Target) -> "Drafter":
         """A drafter context for another context of the same target model, on this drafter's loaded model."""
-        if not self._model:
-            raise RuntimeError("the drafter is closed")
+        if self._ctx is None:
+            raise self._closed_error()
+        if target.closed:
+            raise ClosedError("cannot fork a Drafter onto a closed Target")
         other = Drafter.__new__(Drafter)
         other.path, other.target = self.path, target
         other._shared = self._shared.share()
@@ -173,6 +186,7 @@ class Drafter(NativeResource):
     # -- KV cache injection ----------------------------------------------------------------
     def inject(self, features: np.ndarray, positions: int) -> None:
         """Write K/V for target features at positions `positions`.. (an embd batch per n_ubatch chunk)."""
+        self._check_open()
         feats = np.ascontiguousarray(features, dtype=np.float32)
         if feats.ndim != 2 or feats.shape[1] != self.n_features:
             raise ValueError(f"features must have shape (n, {self.n_features}), got {feats.shape}")
@@ -212,6 +226,7 @@ class Drafter(NativeResource):
         of its n_draft prediction slots (anchor-first: [last, mask x (n_draft - 1)], slots 0..n_draft-1;
         bonus anchor: as DFlash), with `last_confidences` set from its confidence head (else None).
         """
+        self._check_open()
         lead = self._lead
         if not 1 <= n_draft <= self.max_draft:
             raise ValueError(f"n_draft must be in [1, {self.max_draft}] for block size {self.block_size}, got {n_draft}")
@@ -321,21 +336,28 @@ class Drafter(NativeResource):
     # -- cache management ------------------------------------------------------------------
     def remove(self, p0: int, p1: int = -1) -> None:
         """Drop positions [p0, p1) from the drafter KV cache."""
+        self._check_open()
         if not capi.llama_memory_seq_rm(self._mem, 0, p0, p1):
             raise RuntimeError(f"drafter llama_memory_seq_rm([{p0}, {p1})) failed")
 
     def pos_max(self) -> int:
+        self._check_open()
         return int(capi.llama_memory_seq_pos_max(self._mem, 0))
 
     def clear(self) -> None:
+        self._check_open()
         capi.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
-        """Free batch, context and model; safe to call twice. The target stays open."""
-        if getattr(self, "_batch", None):
-            capi.llama_batch_ext_free(self._batch)
-        if getattr(self, "_ctx", None):
-            capi.llama_free(self._ctx)
-        if getattr(self, "_model", None):
+        """Free batch, context and this drafter's share of the model; a second call does nothing.
+
+        The target stays open; the model is freed with its last user (a fork keeps it alive).
+        """
+        batch, ctx, model = getattr(self, "_batch", None), self._ctx, getattr(self, "_model", None)
+        self._batch = self._ctx = self._model = self._mem = None  # first, so no entry reaches freed memory
+        if batch:
+            capi.llama_batch_ext_free(batch)
+        if ctx is not None:
+            capi.llama_free(ctx)
+        if model:
             self._shared.release()
-        self._batch = self._ctx = self._model = None

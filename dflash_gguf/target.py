@@ -150,8 +150,26 @@ def meta_str(model: capi.llama_model_p, key: str) -> str | None:
         size = n + 1
 
 
+class ClosedError(RuntimeError):
+    """A Target or Drafter was used after close(): its native memory is gone, so nothing reaches C."""
+
+
 class NativeResource(ABC):
-    """Something holding libllama memory: a context manager, and freed when garbage-collected."""
+    """Something holding libllama memory: a context manager, and freed when garbage-collected.
+
+    Its context handle `_ctx` is None once closed, and every public method that reaches C tests it
+    first (one attribute test), so a stale pointer is never handed to libllama.
+    """
+
+    _ctx: object = None
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _closed_error(self) -> ClosedError:
+        where = getattr(self, "path", None)
+        return ClosedError(f"this {type(self).__name__}{f' ({where})' if where else ''} is closed")
 
     @abstractmethod
     def close(self) -> None:
@@ -182,16 +200,25 @@ class SharedModel:
     def share(self) -> "SharedModel":
         with self._lock:
             if self._users == 0:
-                raise RuntimeError("the model was already freed")
+                raise ClosedError("the model was already freed")
             self._users += 1
         return self
 
     def release(self) -> None:
+        """Drop one user's share; the last one frees the model. Never frees twice."""
         with self._lock:
+            if self._users == 0:
+                return
             self._users -= 1
             last = self._users == 0
         if last and self._owned:
             capi.llama_model_free(self.ptr)
+        if last:
+            self.ptr = None
+
+    @property
+    def users(self) -> int:
+        return self._users
 
 
 class Target(NativeResource):
@@ -307,10 +334,14 @@ class Target(NativeResource):
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
     @property
     def model(self) -> capi.llama_model_p:
+        if self._ctx is None:
+            raise self._closed_error()
         return self._model
 
     @property
     def ctx(self) -> capi.llama_context_p:
+        if self._ctx is None:
+            raise self._closed_error()
         return self._ctx
 
     @property
@@ -324,11 +355,15 @@ class Target(NativeResource):
         Same value as read_target_info(path).fingerprint without re-parsing the GGUF (seconds for 49k tokens).
         """
         if self._fingerprint is None:
+            if self._ctx is None:
+                raise self._closed_error()
             tokens = (capi.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab))
             self._fingerprint = gguf_fingerprint(self.architecture, self.n_embd, self.n_layer, tokens)
         return self._fingerprint
 
     def meta(self, key: str) -> str | None:
+        if self._ctx is None:
+            raise self._closed_error()
         return meta_str(self._model, key)
 
     # -- layer capture ---------------------------------------------------------------------
@@ -342,6 +377,8 @@ class Target(NativeResource):
 
     def capture(self, layers: Sequence[int]) -> None:
         """Extract these layer inputs (GGUF `dflash.target_layers` ids) on every later decode."""
+        if self._ctx is None:
+            raise self._closed_error()
         ids = self.check_layers(layers)
         if ids == self._layers:
             return
@@ -361,6 +398,8 @@ class Target(NativeResource):
         logits: LogitsSpec = "last",
     ) -> None:
         """One llama_decode of `tokens` at `positions` (a start position or one per token)."""
+        if self._ctx is None:
+            raise self._closed_error()
         tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = tok.size
         if n == 0:
@@ -424,6 +463,8 @@ class Target(NativeResource):
         return self._row_view(i).copy()
 
     def _row_view(self, i: int) -> np.ndarray:
+        if self._ctx is None:
+            raise self._closed_error()
         if not 0 <= i < self._n_last or self._out_index[i] < 0:
             raise IndexError(f"batch row {i} of the last decode has no logits")
         ptr = capi.llama_get_logits_ith(self._ctx, i)
@@ -436,6 +477,8 @@ class Target(NativeResource):
 
         No copy: valid until the next decode. Greedy decoding takes argmax straight from it.
         """
+        if self._ctx is None:
+            raise self._closed_error()
         if self._n_outputs == 0:
             raise IndexError("the last decode produced no logits")
         ptr = capi.llama_get_logits(self._ctx)
@@ -445,6 +488,8 @@ class Target(NativeResource):
 
     def features(self, n_tokens: int, offset: int = 0) -> np.ndarray:
         """(n_tokens, len(layers)*n_embd) float32 copy of captured layer inputs for batch rows offset.. of the last decode."""
+        if self._ctx is None:
+            raise self._closed_error()
         if not self._layers:
             raise RuntimeError("no layers captured: call capture(layers) before decode()")
         if not self._features_ready:
@@ -461,6 +506,8 @@ class Target(NativeResource):
 
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
+        if self._ctx is None:
+            raise self._closed_error()
         n = llama_ext.model_get_tok_embd(self._model, None)
         if n != self.n_vocab * self.n_embd:
             raise RuntimeError(f"libllama returned {n} embedding values, expected {self.n_vocab * self.n_embd}")
@@ -471,6 +518,8 @@ class Target(NativeResource):
     # -- KV cache --------------------------------------------------------------------------
     def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
         """Drop positions [p0, p1) of a sequence (-1: all sequences / to the end) from the KV cache."""
+        if self._ctx is None:
+            raise self._closed_error()
         if not -1 <= seq_id < self.n_seq_max:
             raise ValueError(f"seq_id must be in [-1, {self.n_seq_max}), got {seq_id}")
         if not capi.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
@@ -478,15 +527,21 @@ class Target(NativeResource):
 
     def pos_max(self, seq_id: int = 0) -> int:
         """Largest cached position of a sequence, -1 when empty."""
+        if self._ctx is None:
+            raise self._closed_error()
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
         return int(capi.llama_memory_seq_pos_max(self._mem, seq_id))
 
     def clear(self) -> None:
+        if self._ctx is None:
+            raise self._closed_error()
         capi.llama_memory_clear(self._mem, True)
 
     # -- vocabulary ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if self._ctx is None:
+            raise self._closed_error()
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (capi.llama_token * cap)()
@@ -501,6 +556,8 @@ class Target(NativeResource):
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The UTF-8 bytes of one token (may be part of a character)."""
+        if self._ctx is None:
+            raise self._closed_error()
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
         buf = ctypes.create_string_buffer(64)
@@ -511,26 +568,34 @@ class Target(NativeResource):
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
+        if self._ctx is None:
+            raise self._closed_error()
         return bool(capi.llama_vocab_is_eog(self._vocab, token))
 
     def special_token_text(self, token: int) -> str:
         return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
     def bos_token(self) -> int:
+        if self._ctx is None:
+            raise self._closed_error()
         return int(capi.llama_vocab_bos(self._vocab))
 
     def eos_token(self) -> int:
+        if self._ctx is None:
+            raise self._closed_error()
         return int(capi.llama_vocab_eos(self._vocab))
 
     def chat_template(self) -> str | None:
+        if self._ctx is None:
+            raise self._closed_error()
         raw = capi.llama_model_chat_template(self._model, None)
         return raw.decode("utf-8") if raw else None
 
     # -- lifetime --------------------------------------------------------------------------
     def fork(self) -> "Target":
         """A new context with this one's settings on the same loaded model (weights are not loaded twice)."""
-        if not self._ctx:
-            raise RuntimeError("the target is closed")
+        if self._ctx is None:
+            raise self._closed_error()
         shared = self._shared.share()
         try:
             ctx = new_context(
@@ -552,19 +617,28 @@ class Target(NativeResource):
 
     def set_threads(self, n_threads: int) -> None:
         """Threads for single-token and batch decodes of this context."""
+        if self._ctx is None:
+            raise self._closed_error()
         if not isinstance(n_threads, int) or isinstance(n_threads, bool) or n_threads < 1:
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         capi.llama_set_n_threads(self._ctx, n_threads, n_threads)
 
     @property
     def n_threads(self) -> int:
+        if self._ctx is None:
+            raise self._closed_error()
         return int(capi.llama_n_threads(self._ctx))
 
     def close(self) -> None:
-        """Free the context if this Target owns it, and its share of the model; safe to call twice."""
-        if self._ctx:
-            if self._owned:
-                capi.llama_free(self._ctx)
-            self._shared.release()
-        self._ctx = None
-        self._model = None
+        """Free the context if this Target owns it, and its share of the model; a second call does nothing.
+
+        The model itself is freed with its last user: a fork keeps it alive after its parent closes.
+        """
+        ctx = self._ctx
+        if ctx is None:
+            return
+        self._ctx = None  # first, so nothing can reach the context while it is freed
+        self._mem = self._vocab = self._model = None
+        if self._owned:
+            capi.llama_free(ctx)
+        self._shared.release()
