@@ -1,13 +1,20 @@
 """One statistics model: every figure shown anywhere (Session, TUI, bench, server) is a view of this.
 
 Fed Steps, one at a time. tau (acceptance_length) counts the target's own token per cycle, so plain
-decoding has tau = 1. Speeds inside the loop use each Step's cycle_s, so what a consumer does between
-Steps (rendering, network) does not count against the decoder.
+decoding has tau = 1.
+
+Two rates, and which one a speedup divides:
+- `loop_tokens_per_s`: tokens committed by decoding cycles over the sum of their `cycle_s`, timed inside
+  the loop. What a consumer does between Steps (rendering, network, a pipe) is not counted. Every speedup
+  (the TUI, `dflash-generate --compare`, the bench, the server) divides this rate by a baseline's same rate.
+- `decode_tokens_per_s`: every token after the prefill over the wall time after the prefill, consumer time
+  included: what a caller sees. It is reported, never divided for a speedup.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Iterable
 
 from .steps import DRAFTED_KINDS, Step, StepKind, TokenSource
@@ -16,10 +23,61 @@ MIN_BASELINE_CYCLES = 8  # plain cycles needed before their rate is a baseline w
 
 
 def speedup(tokens_per_s: float | None, baseline_tokens_per_s: float | None) -> float | None:
-    """The one definition of speedup: a rate over a baseline rate measured under the same conditions."""
+    """The one definition of speedup: a loop rate (`loop_tokens_per_s`) over a baseline's loop rate measured
+    under the same conditions; None when either is missing."""
     if not tokens_per_s or not baseline_tokens_per_s:
         return None
     return tokens_per_s / baseline_tokens_per_s
+
+
+def generation_speedup(stats: "GenerationStats", plain: "GenerationStats") -> float | None:
+    """Speedup of one generation over a plain generation of the same prompt run under the same conditions."""
+    return speedup(stats.loop_tokens_per_s, plain.loop_tokens_per_s)
+
+
+class BaselineSource(str, Enum):
+    """Where a like-for-like plain-decoding baseline came from; the value is what a view prints."""
+
+    IN_REPLY = "in reply"  # the reply's own plain cycles (the adaptive controller's, probes excluded)
+    SAME_UI = "compare"  # a plain run streamed through the same consumer (the chat's Ctrl+G)
+    NONE = "not measured yet"  # no like-for-like measurement: no speedup figure
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Plain decoding measured under the same conditions as a reply, and where it came from."""
+
+    tokens_per_s: float | None
+    source: BaselineSource
+
+    @classmethod
+    def choose(cls, in_reply: float | None, same_ui: float | None = None) -> "Baseline":
+        """The reply's own plain cycles first, else a plain run through the same consumer, else none.
+
+        A headless or start-up measurement is never offered: it ran under other conditions.
+        """
+        if in_reply is not None:
+            return cls(in_reply, BaselineSource.IN_REPLY)
+        if same_ui is not None:
+            return cls(same_ui, BaselineSource.SAME_UI)
+        return cls(None, BaselineSource.NONE)
+
+    def speedup(self, loop_tokens_per_s: float | None) -> float | None:
+        return speedup(loop_tokens_per_s, self.tokens_per_s)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A confidence head against what the target did, over the draft slots the target judged.
+
+    Confidences are P(slot accepted | every earlier slot accepted), so a slot counts only when every
+    earlier slot of its draft was accepted (the rest were never judged): `predicted` is the mean
+    confidence of those slots, `observed` the share of them accepted. Calibrated: predicted ≈ observed.
+    """
+
+    slots: int
+    predicted: float
+    observed: float
 
 
 @dataclass(frozen=True)
@@ -46,7 +104,7 @@ class GenerationStats:
     acceptance_histogram: list[int]  # [i] = cycles that accepted exactly i drafts
     prefill_s: float
     decode_s: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # wall clock after the prefill, consumer time included (not for speedups)
     block_size: int | None  # the fixed block size asked for; None = adaptive
     mean_block_size: float
     draft_s: float
@@ -66,6 +124,8 @@ class GenerationStats:
     memory: str | None = None  # how the target rolls back (kv, snapshot, checkpoint)
     memory_extra_bytes: int = 0
     speculative_disabled_reason: str | None = None
+    loop_tokens_per_s: float | None = None  # committed tokens over loop_s: the rate every speedup divides
+    confidence: Calibration | None = None  # where the drafts carried confidences (DSpark's head)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -93,6 +153,9 @@ class StatsBuilder:
         self.sources: dict[str, list[int]] = {}
         self.provenance: dict[str, int] = {}
         self.finish_reason: str | None = None
+        self.conf_slots = 0
+        self.conf_sum = 0.0
+        self.conf_accepted = 0
 
     def add(self, step: Step) -> None:
         self.n_tokens += len(step.tokens)
@@ -128,6 +191,11 @@ class StatsBuilder:
             counts[0] += 1
             counts[1] += step.n_drafted
             counts[2] += step.n_accepted
+            # slots judged: the accepted ones and the first rejected one, if any
+            judged = min(len(step.confidences), step.n_drafted, step.n_accepted + 1)
+            self.conf_slots += judged
+            self.conf_sum += sum(step.confidences[:judged])
+            self.conf_accepted += min(step.n_accepted, judged)
 
     @property
     def n_drafted(self) -> int:
@@ -145,6 +213,23 @@ class StatsBuilder:
     def loop_tokens_per_s(self) -> float | None:
         """Tokens per second of decoding cycles, measured inside the loop."""
         return self.committed / self.loop_s if self.loop_s > 0 else None
+
+    @property
+    def per_source(self) -> dict[str, SourceStats]:
+        """How each draft source did, by its name (the drafter's kind, lookup)."""
+        return {k: SourceStats(*v) for k, v in self.sources.items()}
+
+    @property
+    def acceptance_by_slot(self) -> list[float]:
+        """[k]: P(slot k+1 accepted | drafted), over the cycles that drafted slot k+1."""
+        return [a / d for a, d in zip(self.slot_accepted, self.slot_drafted) if d]
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """Mean predicted confidence against observed acceptance, once any judged slot had a confidence."""
+        if not self.conf_slots:
+            return None
+        return Calibration(self.conf_slots, self.conf_sum / self.conf_slots, self.conf_accepted / self.conf_slots)
 
     @property
     def in_reply_plain_tokens_per_s(self) -> float | None:
@@ -187,14 +272,16 @@ class StatsBuilder:
             rollback_s=self.rollback_s,
             loop_s=self.loop_s,
             plain_cycles=self.plain_cycles,
-            acceptance_by_slot=[a / d for a, d in zip(self.slot_accepted, self.slot_drafted) if d],
-            per_source={k: SourceStats(*v) for k, v in self.sources.items()},
+            acceptance_by_slot=self.acceptance_by_slot,
+            per_source=self.per_source,
             tokens_by_provenance=dict(self.provenance),
             in_reply_plain_tokens_per_s=baseline,
             in_reply_speedup=speedup(self.loop_tokens_per_s, baseline),
             memory=memory,
             memory_extra_bytes=memory_extra_bytes,
             speculative_disabled_reason=speculative_disabled_reason,
+            loop_tokens_per_s=self.loop_tokens_per_s,
+            confidence=self.calibration,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,10 @@ def test_generates_and_compares_with_plain_decoding(dflash_gguf_path, embedded_t
     assert lines[0].startswith("dflash: τ ") and "tok/s decode" in lines[0]
     assert lines[1].startswith("plain, ")
     assert "x over plain decoding" in lines[2] and "outputs identical" in lines[2]
+    # the speedup is dflash_gguf.stats' one definition: loop tok/s over the plain run's loop tok/s
+    loop = [float(re.search(r"([\d.]+) tok/s in the loop", line).group(1)) for line in lines[:2]]
+    shown = float(re.search(r"speedup ([\d.]+)x", lines[2]).group(1))
+    assert shown == pytest.approx(loop[0] / loop[1], abs=0.01 + 0.06 * shown / min(loop))  # printed to 0.1 tok/s
 
 
 @pytest.mark.parametrize(
