@@ -298,6 +298,50 @@ def test_dspark_loss_by_hand():
     assert stats["accept"] == pytest.approx(accept)
 
 
+def test_dspark_loss_with_a_top_k_target_lumps_the_missing_mass():
+    """DeepSpec's p is dense; the cache keeps the target's top-k log-probabilities. The kept tokens
+    carry their true p (not renormalised) and the rest is one outcome, so the L1 is the total
+    variation over {kept tokens, the rest}: q = (.5, .25, .125, .125), p known = (.6, .1), rest .3."""
+    logits = torch.log(torch.tensor([[4.0, 2.0, 1.0, 1.0]]))
+    labels, weights, conf = torch.tensor([0]), torch.tensor([1.0]), torch.tensor([1.0])
+    p = torch.tensor([[0.6, 0.1, 0.0, 0.0]])
+    _, stats = dspark_loss(logits, labels, weights, conf, p, ce_weight=0.0, l1_weight=1.0, confidence_weight=0.0)
+    l1 = abs(0.5 - 0.6) + abs(0.25 - 0.1) + abs((0.125 + 0.125) - 0.3)
+    assert stats["l1"] == pytest.approx(l1) and stats["accept"] == pytest.approx(1 - l1 / 2)
+    # renormalising the kept entries (p = (6/7, 1/7)) would claim a distance of 0.714 instead of 0.30
+    assert l1 == pytest.approx(0.30)
+    # a full distribution, dense or one-hot, gives exactly DeepSpec's sum |q - p|
+    for dense in ([[0.6, 0.1, 0.3, 0.0]], [[0.0, 1.0, 0.0, 0.0]]):
+        d = torch.tensor(dense)
+        _, stats = dspark_loss(logits, labels, weights, conf, d, ce_weight=0.0, l1_weight=1.0, confidence_weight=0.0)
+        expected = float((torch.softmax(logits, -1) - d).abs().sum())
+        assert stats["l1"] == pytest.approx(expected)
+
+
+def test_dspark_confidence_target_is_each_slots_own_acceptance_not_the_prefix_product():
+    """DeepSpec (loss.py) trains the confidence head on accept_rate per slot, 1 - ||q - p||_1 / 2, and
+    only its metrics take the cumulative product. Two slots with a = .75 and .5, confidence logit 1:
+    BCE_i = softplus(1) - a_i, weighted 2 : 1."""
+    logits = torch.log(torch.tensor([[3.0, 1.0], [1.0, 1.0]]))  # q = (.75, .25), (.5, .5)
+    p = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # a = .75, .5 (a prefix product would give .375 to slot 2)
+    labels, weights, conf = torch.tensor([0, 1]), torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0])
+    loss, stats = dspark_loss(logits, labels, weights, conf, p, ce_weight=0.0, l1_weight=0.0, confidence_weight=1.0)
+    softplus1 = math.log1p(math.e)
+    bce = (2 * (softplus1 - 0.75) + 1 * (softplus1 - 0.5)) / 3
+    torch.testing.assert_close(loss, torch.tensor(bce))
+    assert stats["accept"] == pytest.approx((2 * 0.75 + 0.5) / 3)
+
+
+def test_cached_top_k_values_are_log_probabilities_of_the_full_vocabulary():
+    from dflash_gguf.train.data import top_k_rows
+
+    logits = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32) * 3
+    ids, vals = top_k_rows(logits, 4)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=1)[:, :4])
+    np.testing.assert_allclose(vals.astype(np.float32), np.take_along_axis(logp, ids, axis=1), rtol=2e-3, atol=2e-3)
+
+
 def test_dspark_labels_and_weights_are_shifted_by_one():
     tokens = np.arange(100, 120)
     assert block_labels(tokens, np.array([3]), 4, shift=1).tolist() == [104, 105, 106, 107]

@@ -25,7 +25,7 @@ from .errors import TrainError
 from .prompts import Prompt
 
 MANIFEST = "manifest.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: top-k values are log-probabilities of the full distribution (1: raw logits)
 FEATURE_DTYPE = np.float16
 DISK_MARGIN = 1.2  # headroom over the estimate: shards, manifest rewrites, checkpoints
 
@@ -39,7 +39,7 @@ class GenerationSettings:
     temperature: float = 0.0
     seed: int = 0
     shard_sequences: int = 64
-    top_k: int = 16  # target logits kept per response token (ids + values) for soft labels; 0 = none
+    top_k: int = 16  # target logits kept per response token (ids + log-probabilities) for soft labels and DSpark; 0 = none
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Manifest:
     shards: list[dict] = field(default_factory=list)  # {"index", "n_sequences", "n_tokens"}
     sequences: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # prompt ids that did not fit max_seq_len
-    top_k: int = 0  # target top-k logits stored per feature row (0: none; caches made before they existed)
+    top_k: int = 0  # target top-k log-probabilities stored per feature row (0: none; caches made before they existed)
 
     @property
     def row_bytes(self) -> int:
@@ -226,11 +226,20 @@ class FeatureCache:
 
 
 def top_k_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (n, k) int32, logits (n, k) fp16) of the k largest logits of each row, largest first."""
+    """(ids (n, k) int32, log-probabilities (n, k) fp16) of the k largest logits of each row, largest first.
+
+    Log-probabilities of the full-vocabulary softmax, not raw logits: a softmax over the kept entries
+    (soft labels) is the same either way, and DSpark's total variation needs the true p of each kept
+    token and the mass left outside them, which raw top-k logits cannot give.
+    """
+    logits = np.asarray(logits, dtype=np.float32)
     part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
     vals = np.take_along_axis(logits, part, axis=1)
     order = np.argsort(-vals, axis=1, kind="stable")
-    return np.take_along_axis(part, order, axis=1).astype(np.int32), np.take_along_axis(vals, order, axis=1).astype(np.float16)
+    vals = np.take_along_axis(vals, order, axis=1)
+    top = vals[:, :1]
+    lse = top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    return np.take_along_axis(part, order, axis=1).astype(np.int32), (vals - lse).astype(np.float16)
 
 
 def _slot_topk(s: "_Slot", k: int) -> tuple[np.ndarray, np.ndarray] | None:

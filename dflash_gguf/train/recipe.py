@@ -182,9 +182,15 @@ def dspark_loss(
     """DSpark's loss as DeepSpec defines it, over scored rows (labels != IGNORE):
 
     ce_weight x CE(label) + l1_weight x ||q - p||_1 + confidence_weight x BCE(confidence, a), where
-    q is the draft distribution, p the target's (dense over the draft rows) and a = 1 - ||q - p||_1 / 2
-    the probability that a draft from q is accepted by p (detached: the confidence head learns the
-    acceptance it observes, it does not shape the drafts). Every term is slot-weighted.
+    q is the draft distribution, p the target's and a = 1 - ||q - p||_1 / 2 the probability that a
+    draft from q is accepted by p at this slot alone (per slot, not the cumulative prefix product;
+    detached: the confidence head learns the acceptance it observes, it does not shape the drafts).
+    Every term is slot-weighted.
+
+    DeepSpec's p is dense. `target_probs` may hold p only on some rows (the target's top-k), summing
+    to less than 1: the rows where it is 0 are then lumped into one outcome, "another token", with
+    mass 1 - sum(p) against q's mass there. That is exact when p is a full distribution (dense or
+    one-hot) and otherwise the total variation over {each known token, the rest}, a lower bound.
     """
     scored = labels != IGNORE
     w = weights * scored
@@ -192,7 +198,10 @@ def dspark_loss(
     safe = torch.where(scored, labels, torch.zeros_like(labels))
     ce = torch.nn.functional.cross_entropy(logits.float(), safe, reduction="none")
     q = torch.softmax(logits.float(), dim=-1)
-    l1 = (q - target_probs).abs().sum(-1)
+    p = target_probs.float()
+    known = p > 0
+    tail = ((q * ~known).sum(-1) - (1.0 - p.sum(-1)).clamp_min(0.0)).abs()
+    l1 = ((q - p).abs() * known).sum(-1) + tail
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
     bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
     loss = (ce_weight * (ce * w).sum() + l1_weight * (l1 * w).sum() + confidence_weight * (bce * w).sum()) / den

@@ -27,7 +27,6 @@ from .errors import TrainError
 from .interrupts import sigterm_as_interrupt
 from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig, checkpoint_to_state
 from .pipeline import RunData
-from .recipe import soft_targets
 from .recipe import (
     IGNORE, block_labels, default_gamma, distill_loss, dspark_loss, expected_acceptance, label_shift, selector_loss,
     weighted_loss,
@@ -263,7 +262,10 @@ class Trainer:
             conf = self.model.confidence(h, prev)
             p = torch.zeros_like(logits, dtype=torch.float32)
             if soft_ids is not None:
-                p.scatter_add_(-1, soft_ids.clamp_min(0), soft_targets(soft_ids, soft_logits))
+                # the target's own probabilities of its kept top-k (not renormalised): the mass they
+                # leave out is the tail dspark_loss lumps, as close to DeepSpec's dense p as the cache allows
+                kept = torch.where(soft_ids >= 0, soft_logits.float().exp(), torch.zeros_like(soft_logits.float()))
+                p.scatter_add_(-1, soft_ids.clamp_min(0), kept)
             missing = p.sum(-1) <= 0  # no target distribution for this row: the label, one-hot
             p[missing] = torch.nn.functional.one_hot(labels[missing], p.shape[-1]).float()
             loss, _ = dspark_loss(
