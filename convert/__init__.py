@@ -1,4 +1,4 @@
-"""dflash-convert: z-lab DFlash / DFlash2 safetensors checkpoints -> `dflash` GGUF drafters."""
+"""dflash-convert: DFlash / DFlash2 (z-lab) and DSpark (DeepSpec, speculators) safetensors checkpoints -> `dflash` GGUF drafters."""
 
 from dflash_gguf.convert.converter import check_pair, convert_checkpoint
 from dflash_gguf.convert.errors import ConversionError

@@ -1,4 +1,4 @@
-"""A z-lab DFlash / DFlash2 checkpoint on disk: its config and its tensors, validated.
+"""A DFlash / DFlash2 / DSpark checkpoint on disk: its config and its tensors, validated.
 
 Everything that can be wrong with the input is found here, before an output file is
 opened: the config, the architecture, the set of tensors and every tensor's shape.
@@ -13,16 +13,21 @@ from typing import Any
 
 import numpy as np
 
-from dflash_gguf.convert.config_schema import check_config, load_config_json
+from dflash_gguf.convert.config_schema import check_config, check_dspark_layout, load_config_json
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import CheckpointTensor, check_regular_file, read_safetensors_index
 from dflash_gguf.schema import (
-    DEFAULT_BLOCK_SIZE, DFLASH_ARCHITECTURES, DSPARK_ARCHITECTURES, HF_IGNORED, HF_TO_GGUF, MARKOV_HEAD_TYPES, Tensors,
+    DEFAULT_BLOCK_SIZE, DFLASH_ARCHITECTURES, DSPARK_ARCHITECTURES, HF_IGNORED, HF_TO_GGUF, Tensors,
     gguf_tensor_name,
 )
 
 ARCHITECTURES = {**DFLASH_ARCHITECTURES, **DSPARK_ARCHITECTURES}
 """config.json `architectures` this converter knows -> checkpoint kind (as upstream's converter registers them)."""
+REFUSED_ARCHITECTURES = {
+    "Gemma4DSparkModel": "its Gemma-4 layers (k = v attention, per-layer scales) are not the Qwen3 layers dflash-convert writes",
+    "DeepseekV4DSparkModel": "its DeepSeek-V4 MTP layers (MoE, hyper-connections) are not the Qwen3 layers dflash-convert writes",
+}
+"""Drafters upstream's converter registers on other model classes: refused in one line, with the reason."""
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,7 +41,7 @@ DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selecto
 class DraftConfig:
     """The config.json facts the GGUF needs, with z-lab's `dflash_config` overrides applied."""
 
-    kind: str  # "dflash" | "dflash2"
+    kind: str  # "dflash" | "dflash2" | "dspark"
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -96,6 +101,12 @@ def read_config(path: Path) -> DraftConfig:
     if not all(isinstance(a, str) for a in archs):
         raise ConversionError(f"{path}: architectures must be a list of class names, got {str(archs)[:60]}")
     known = [a for a in archs if a in ARCHITECTURES]
+    refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
+    if not known and refused:
+        raise ConversionError(
+            f"{path}: architecture {refused[0]} is not supported by dflash-convert ({REFUSED_ARCHITECTURES[refused[0]]}); "
+            f"convert it with llama.cpp's convert_hf_to_gguf.py"
+        )
     if not known:
         raise ConversionError(
             f"{path}: unknown architecture {archs[0]!r} (expected one of {', '.join(ARCHITECTURES)})"
@@ -104,6 +115,7 @@ def read_config(path: Path) -> DraftConfig:
     kind = ARCHITECTURES[arch]
     sample_from_anchor = markov_rank = None
     if kind == "dspark":
+        check_dspark_layout(hparams, path)  # the keys normalise_dspark reads, before it reads them
         hparams, sample_from_anchor, markov_rank = normalise_dspark(hparams, path)
     check_config(hparams, path, kind)  # every key's type and range, from one table (config_schema.SCHEMA)
 
@@ -181,33 +193,23 @@ def normalise_dspark(hparams: dict[str, Any], path: Path) -> tuple[dict[str, Any
     The speculators export nests the transformer under `transformer_layer_config` and names target layers
     `aux_hidden_state_layer_ids` (layer inputs, i.e. HF ids + 1); both forms default to the bonus-anchor
     block (an EAGLE3-style 1+N layout), the DeepSpec / z-lab forms to the anchor-first block.
+    The keys read here were type- and range-checked by config_schema.check_dspark_layout.
     """
     nested = hparams.get("transformer_layer_config")
-    if nested is not None and not isinstance(nested, dict):
-        raise ConversionError(f"{path}: transformer_layer_config must be an object, got {type(nested).__name__}")
     anchor = hparams.get("sample_from_anchor", nested is None and "aux_hidden_state_layer_ids" not in hparams)
-    if not isinstance(anchor, bool):
-        raise ConversionError(f"{path}: sample_from_anchor must be true or false, got {anchor!r}")
     hp = {**hparams, **(nested or {})}
     if "aux_hidden_state_layer_ids" in hp:
-        aux = hp["aux_hidden_state_layer_ids"]
-        if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in aux):
-            raise ConversionError(f"{path}: aux_hidden_state_layer_ids must be a non-empty list of integers >= 1, got {aux!r}")
-        hp.setdefault("dflash_config", {"mask_token_id": hp.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]})
+        hp.setdefault("dflash_config", {"mask_token_id": hp.get("mask_token_id"),
+                                        "target_layer_ids": [i - 1 for i in hp["aux_hidden_state_layer_ids"]]})
     else:
         hp.setdefault("dflash_config", {k: hp[k] for k in ("target_layer_ids", "mask_token_id") if k in hp})
-    head = draft_value(hp, "markov_head_type", "vanilla")
-    if head not in MARKOV_HEAD_TYPES:
-        raise ConversionError(
-            f"{path}: markov_head_type {head!r} is not supported (libllama's DSpark runs only {', '.join(MARKOV_HEAD_TYPES)!s})"
-        )
-    rank = draft_value(hp, "markov_rank")
-    if rank is not None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ConversionError(f"{path}: markov_rank must be a non-negative integer, got {rank!r}")
-        if rank == 0:
-            raise ConversionError(f"{path}: markov_rank 0 (no Markov head) is not a DSpark drafter libllama can run; convert it as DFlash")
-    return hp, anchor, rank
+    return hp, anchor, draft_value(hp, "markov_rank")
+
+
+def writes_full_vocab_head(cfg: DraftConfig) -> bool:
+    """Whether a full-vocabulary output head goes into the GGUF: not for DSpark, whose upstream converter drops it
+    (libllama then scores with the target's head)."""
+    return cfg.kind != "dspark" or cfg.draft_vocab_size is not None
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -340,6 +342,8 @@ def load_checkpoint(src: str | Path) -> Checkpoint:
                 raise ConversionError(f"{file}: tensor {hf_name} appears twice")
             found[name] = tensor
 
+    if Tensors.OUTPUT in found and not writes_full_vocab_head(cfg):
+        del found[Tensors.OUTPUT]  # as upstream: a full-vocabulary DSpark drafter's lm_head is not written
     if cfg.kind == "dspark":
         cfg = _with_markov_rank(cfg, found, directory)
     required = expected_shapes(cfg)

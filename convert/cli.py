@@ -23,7 +23,7 @@ PROG = "dflash-convert"
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=PROG,
-        description="Convert a z-lab DFlash / DFlash2 safetensors checkpoint into a `dflash` GGUF drafter.",
+        description="Convert a DFlash / DFlash2 / DSpark safetensors checkpoint into a `dflash` GGUF drafter.",
         epilog="SRC may be model.safetensors (config.json beside it), a model.safetensors.index.json, or the checkpoint directory.",
     )
     p.add_argument("src", nargs="?", type=Path, metavar="SRC", help="checkpoint: .safetensors file, shard index or directory")

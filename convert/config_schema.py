@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import _Duplicate, _no_constant, _no_duplicates, read_regular_text
+from dflash_gguf.schema import MARKOV_HEAD_TYPES
 
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
@@ -81,6 +82,8 @@ SCHEMA: tuple[Key, ...] = (
     # rope
     _k("rope_theta", "float", where="rope", min=0.0, min_exclusive=True, max=F32_MAX),
     _k("partial_rotary_factor", "float", where="rope", min=0.0, min_exclusive=True, max=1.0),
+    _k("rope_pct", "float", min=0.0, min_exclusive=True, max=1.0, note="alias of partial_rotary_factor"),
+    _k("rope_percent", "float", min=0.0, min_exclusive=True, max=1.0, note="alias of partial_rotary_factor"),
     _k("rope_type", "str", where="rope"),
     _k("rope_is_neox_style", "bool", default=True),
     # DFlash proper
@@ -106,6 +109,13 @@ SCHEMA: tuple[Key, ...] = (
     _k("conv_group_size", "int", where="draft", min=1, max=2**20, required=True, kinds=("dflash2",)),
     _k("selector_rank", "int", where="draft", min=1, max=2**16, required=True, kinds=("dflash2",)),
     _k("selector_top_k", "int", where="draft", min=1, max=1024, required=True, kinds=("dflash2",)),
+    # DSpark (also checked before normalisation: DSPARK_LAYOUT)
+    _k("transformer_layer_config", "object", kinds=("dspark",), note="speculators export: the nested transformer"),
+    _k("aux_hidden_state_layer_ids", "int_list", min=1, max=MAX_LAYERS + 1, kinds=("dspark",), note="HF ids + 1"),
+    _k("sample_from_anchor", "bool", kinds=("dspark",)),
+    _k("markov_head_type", "str", where="draft", choices=MARKOV_HEAD_TYPES, default="vanilla", kinds=("dspark",),
+       note="libllama's build_dspark_markov_head computes the vanilla head only"),
+    _k("markov_rank", "int", where="draft", min=0, max=2**16, kinds=("dspark",)),
 )
 
 SCHEMA_BY_NAME: dict[str, Key] = {k.name: k for k in SCHEMA}
@@ -194,7 +204,9 @@ def _f32_positive(x: float) -> bool:
 
 def lookup(hparams: dict[str, Any], key: Key) -> tuple[Any, str]:
     """(value, where it was found as a message prefix); value None when absent."""
-    dflash_config = hparams.get("dflash_config") or {}
+    dflash_config = hparams.get("dflash_config")
+    if not isinstance(dflash_config, dict):  # its own row reports it
+        dflash_config = {}
     if key.where == "dflash":
         return dflash_config.get(key.name), "dflash_config."
     if key.where == "draft" and dflash_config.get(key.name) is not None:
@@ -220,8 +232,20 @@ def _heads(v: dict[str, Any]) -> str | None:
     return None
 
 
+ROTARY_FRACTION_KEYS = ("partial_rotary_factor", "rope_pct", "rope_percent")
+"""Upstream's find_hparam order for the rotary fraction (the first present wins)."""
+
+
+def rotary_fraction(hparams: dict[str, Any]) -> float | None:
+    """partial_rotary_factor as upstream reads it: `rope_parameters` / `rope_scaling` first, then the top-level aliases."""
+    rope = hparams.get("rope_parameters") or hparams.get("rope_scaling") or {}
+    if rope.get("partial_rotary_factor") is not None:
+        return float(rope["partial_rotary_factor"])
+    return next((float(hparams[k]) for k in ROTARY_FRACTION_KEYS if hparams.get(k) is not None), None)
+
+
 def _rope_dims(v: dict[str, Any]) -> str | None:
-    partial = v.get("partial_rotary_factor")
+    partial = next((v[k] for k in ROTARY_FRACTION_KEYS if v.get(k) is not None), None)
     if partial is None:
         return None
     head_dim = v.get("head_dim") or v["hidden_size"] // v["num_attention_heads"]
@@ -266,6 +290,12 @@ def _dflash2(v: dict[str, Any]) -> str | None:
     return None
 
 
+def _markov(v: dict[str, Any]) -> str | None:
+    if v.get("markov_rank") == 0:
+        return "markov_rank 0 (no Markov head) is not a DSpark drafter libllama can run; convert it as DFlash"
+    return None
+
+
 RULES: tuple[tuple[tuple[str, ...] | None, Callable[[dict[str, Any]], str | None]], ...] = (
     (None, _heads),
     (None, _rope_dims),
@@ -273,7 +303,42 @@ RULES: tuple[tuple[tuple[str, ...] | None, Callable[[dict[str, Any]], str | None
     (None, _window),
     (None, _mask),
     (("dflash2",), _dflash2),
+    (("dspark",), _markov),
 )
+
+DSPARK_LAYOUT = ("dflash_config", "sample_from_anchor", "aux_hidden_state_layer_ids", "markov_head_type", "markov_rank")
+"""The keys checkpoint.normalise_dspark reads, in the nested transformer and at the top level."""
+
+
+def check_dspark_layout(hparams: dict[str, Any], path: Path) -> None:
+    """The DSpark keys, checked before normalisation reads them: `transformer_layer_config` and what it nests
+    (prefixed in messages), then the merged view normalisation builds."""
+    rows = [SCHEMA_BY_NAME[name] for name in DSPARK_LAYOUT]
+    check_keys(hparams, path, [SCHEMA_BY_NAME["transformer_layer_config"], *rows])
+    nested = hparams.get("transformer_layer_config")
+    if nested is not None:
+        check_keys(nested, path, rows, prefix="transformer_layer_config.")
+        check_keys({**hparams, **nested}, path, rows)
+
+
+def check_keys(hparams: dict[str, Any], path: Path, keys: Sequence[Key], prefix: str = "") -> None:
+    """Type and range of each of `keys` that is present (a container that is not an object is skipped by lookup)."""
+    for key in keys:
+        value, where = lookup(hparams, key)
+        if value is not None:
+            check_value(key, value, path, prefix + where)
+
+
+def _apply_rules(values: dict[str, Any], path: Path, kind: str | None) -> None:
+    for kinds, rule in RULES:
+        if kinds is not None and kind not in kinds:
+            continue
+        try:
+            message = rule(values)
+        except (KeyError, TypeError):  # a key the rule needs is absent: reported by the caller's own required-key check
+            continue
+        if message:
+            raise ConversionError(f"{path}: {message}")
 
 
 def check_config(hparams: dict[str, Any], path: Path, kind: str | None = None) -> dict[str, Any]:
@@ -293,15 +358,7 @@ def check_config(hparams: dict[str, Any], path: Path, kind: str | None = None) -
             continue
         check_value(key, value, path, where)
         values[key.name] = value
-    for kinds, rule in RULES:
-        if kinds is not None and kind not in kinds:
-            continue
-        try:
-            message = rule(values)
-        except (KeyError, TypeError):  # a key the rule needs is absent: reported by the caller's own required-key check
-            continue
-        if message:
-            raise ConversionError(f"{path}: {message}")
+    _apply_rules(values, path, kind)
     return values
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from dflash_gguf.convert.checkpoint import Checkpoint, load_checkpoint
 from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.convert.mask_embedding import with_mask_embedding
 from dflash_gguf.convert.writer import OUTTYPES, write_drafter_gguf
 from dflash_gguf.schema import hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo, check_feature_layers, read_target_info
@@ -44,10 +45,10 @@ def convert_checkpoint(
     progress: bool = True,
     name: str | None = None,
 ) -> Path:
-    """Convert a DFlash/DFlash2 safetensors checkpoint (file, shard index or directory) to a drafter GGUF.
+    """Convert a DFlash / DFlash2 / DSpark safetensors checkpoint (file, shard index or directory) to a drafter GGUF.
 
     With `target`, the target GGUF's tokenizer and fingerprint are copied in and the pair is
-    validated first. `name` is the GGUF's `general.name` (default: OUT's stem). Raises
+    validated first; a `mask_embedding.pt` beside config.json is patched into the embedding table. `name` is the GGUF's `general.name` (default: OUT's stem). Raises
     ConversionError (one line, naming the file) on any bad input; no output is left behind then.
     """
     if outtype is not None and outtype not in OUTTYPES:
@@ -60,6 +61,7 @@ def convert_checkpoint(
         except ValueError as e:
             raise ConversionError(str(e)) from None
         check_pair(ckpt, target_info)
+    ckpt = with_mask_embedding(ckpt, target_info)
     return write_drafter_gguf(
         ckpt, Path(out), target=target_info, outtype=outtype, force=force, progress=progress, name=name
     )

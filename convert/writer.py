@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dflash_gguf.convert.checkpoint import SHARD_INDEX, Checkpoint, DraftConfig, d2t_target_ids, draft_value
+from dflash_gguf.convert.config_schema import rotary_fraction
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.schema import ARCH, Keys, Tensors, hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo
@@ -87,8 +88,8 @@ def _add_metadata(
     rope_theta = rope.get("rope_theta", hp.get("rope_theta"))
     if rope_theta is not None:
         w.add_float32(Keys.ROPE_FREQ_BASE, float(rope_theta))
-    if (partial := rope.get("partial_rotary_factor", hp.get("partial_rotary_factor"))) is not None:
-        w.add_uint32(Keys.ROPE_DIMENSION_COUNT, int(cfg.head_dim * float(partial)))
+    if (partial := rotary_fraction(hp)) is not None:
+        w.add_uint32(Keys.ROPE_DIMENSION_COUNT, int(cfg.head_dim * partial))
     w.add_float32(Keys.RMS_EPS, cfg.rms_norm_eps)
     if hp.get("hidden_act", "silu") != "silu":
         w.add_string(Keys.HIDDEN_ACT, hp["hidden_act"])

@@ -163,6 +163,7 @@ DSPARK_ARCHITECTURES = {
     "Qwen3DSparkModel": "dspark",
     "DSparkSpeculator": "dspark",  # vllm speculators export: nested transformer_layer_config, bonus-anchor block
     "Lfm2DSparkDraftModel": "dspark",
+    "LingDSparkModel": "dspark",
 }
 MARKOV_HEAD_TYPES = ("vanilla",)
 """What libllama's build_dspark_markov_head computes: bias = W2 @ W1[prev]; gated / rnn heads are not."""

@@ -444,3 +444,93 @@ def test_out_is_never_an_input_even_with_force(capsys, ckpt, tmp_path, which, ho
     assert code == 2 and len(err.strip().splitlines()) == 1 and "one of the inputs" in err, err
     assert victim.read_bytes() == before
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+# --- DSpark keys: checked by the schema before normalisation reads them ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dspark_ckpt(tmp_path_factory) -> Path:
+    from dspark_reference import make_dspark_checkpoint
+
+    return make_dspark_checkpoint(tmp_path_factory.mktemp("dspark") / "ckpt", confidence=False)
+
+
+@pytest.mark.parametrize(
+    "changes, mentions",
+    [
+        ({"transformer_layer_config": {"dflash_config": ["markov_rank"]}}, ("transformer_layer_config.dflash_config", "object")),
+        ({"transformer_layer_config": [1]}, ("transformer_layer_config", "object")),
+        ({"transformer_layer_config": {"markov_rank": 2.5}}, ("transformer_layer_config.markov_rank", "integer")),
+        ({"aux_hidden_state_layer_ids": [0, 9]}, ("aux_hidden_state_layer_ids",)),
+        ({"aux_hidden_state_layer_ids": "2,9"}, ("aux_hidden_state_layer_ids", "list of integers")),
+        ({"aux_hidden_state_layer_ids": []}, ("aux_hidden_state_layer_ids", "non-empty")),
+        ({"sample_from_anchor": "yes"}, ("sample_from_anchor", "true or false")),
+        ({"markov_head_type": "gated"}, ("markov_head_type", "gated", "vanilla")),
+        ({"markov_head_type": ["vanilla"]}, ("markov_head_type", "string")),
+        ({"dflash_config": {"markov_head_type": 5}}, ("dflash_config.markov_head_type", "string")),
+        ({"markov_rank": "32"}, ("markov_rank", "integer")),
+        ({"markov_rank": 0}, ("markov_rank 0", "DFlash")),
+        ({"architectures": ["Gemma4DSparkModel"]}, ("Gemma4DSparkModel", "not supported")),
+        ({"architectures": ["DeepseekV4DSparkModel"]}, ("DeepseekV4DSparkModel", "not supported")),
+    ],
+)
+def test_dspark_keys_are_checked_before_use_in_one_line(capsys, dspark_ckpt, tmp_path, out, changes, mentions):
+    ckpt = Path(shutil.copytree(dspark_ckpt, tmp_path / "ckpt"))
+    edit_config(ckpt, **changes)
+    assert_bad_input(capsys, out, ckpt, out, mentions=("config.json", *mentions))
+
+
+# --- mask_embedding.pt -------------------------------------------------------------------------------------------------
+
+
+def _mask_pt(ckpt: Path, value) -> Path:
+    path = ckpt / "mask_embedding.pt"
+    torch.save(value, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "value, mentions",
+    [
+        ({"mask_token_id": 17, "embedding": torch.zeros(HIDDEN_SIZE)}, ("mask_token_id 17", "16")),
+        ({"mask_token_id": 16, "embedding": torch.zeros(HIDDEN_SIZE - 1)}, ("embedding", f"[{HIDDEN_SIZE}]")),
+        ({"mask_token_id": 16, "embedding": torch.full((HIDDEN_SIZE,), float("nan"))}, ("embedding", "NaN")),
+        ({"mask_token_id": 16}, ("dict with mask_token_id and embedding",)),
+        (torch.zeros(HIDDEN_SIZE), ("dict with mask_token_id and embedding",)),
+    ],
+)
+def test_bad_mask_embedding_is_one_line(capsys, ckpt, out, embedded_target, value, mentions):
+    _mask_pt(ckpt, value)
+    assert_bad_input(capsys, out, ckpt, out, "--target", embedded_target, mentions=("mask_embedding.pt", *mentions))
+
+
+def test_mask_embedding_needs_the_target(capsys, ckpt, out):
+    _mask_pt(ckpt, {"mask_token_id": 16, "embedding": torch.zeros(HIDDEN_SIZE)})
+    assert_bad_input(capsys, out, ckpt, out, mentions=("mask_embedding.pt", "--target"))
+
+
+def test_mask_embedding_is_never_unpickled_with_plain_pickle(capsys, ckpt, out, embedded_target, tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (ckpt / "mask_embedding.pt").write_bytes(pickle.dumps({"mask_token_id": 16, "embedding": Payload()}))
+    assert_bad_input(capsys, out, ckpt, out, "--target", embedded_target, mentions=("mask_embedding.pt", "weights-only"))
+    torch.save({"mask_token_id": 16, "embedding": Payload()}, ckpt / "mask_embedding.pt")
+    assert_bad_input(capsys, out, ckpt, out, "--target", embedded_target, mentions=("mask_embedding.pt", "weights-only"))
+    assert not marker.exists()
+
+
+def test_mask_embedding_without_torch_is_one_line(ckpt, out):
+    """torch is optional for the converter: without it, a mask_embedding.pt is refused in one line (exit 2)."""
+    _mask_pt(ckpt, {"mask_token_id": 16, "embedding": torch.zeros(HIDDEN_SIZE)})
+    code = ("import sys; sys.modules['torch'] = None; from dflash_gguf.convert.cli import main; "
+            f"sys.exit(main([{str(ckpt)!r}, {str(out)!r}, '--no-progress']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mask_embedding.pt" in lines[0] and "needs torch" in lines[0], p.stderr
+    assert not out.exists()

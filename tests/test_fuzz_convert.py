@@ -139,9 +139,10 @@ def independent_tensors(ckpt: Path) -> dict[str, np.ndarray] | None:
 
 
 def judge(family: str, case: dict, ckpt: Path, out: Path, inputs: list[Path], before: dict[str, str],
-          p: subprocess.CompletedProcess | None, *, check_values: bool = False, out_existed: bool = False) -> str:
-    """Classify one run; assert it is one of the two good outcomes."""
-    problems = []
+          p: subprocess.CompletedProcess | None, *, check_values: bool = False, out_existed: bool = False,
+          problems: list[str] | None = None) -> str:
+    """Classify one run; assert it is one of the two good outcomes (and that `problems`, found by the caller, is empty)."""
+    problems = list(problems or [])
     if p is None:
         outcome = "hang"
     elif "Traceback" in p.stderr:
@@ -215,7 +216,7 @@ CONFIG_KEYS = [
     "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hidden_act",
     "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor", "rope_is_neox_style",
     "use_sliding_window", "sliding_window", "layer_types", "is_causal", "draft_vocab_size", "num_target_layers",
-    "dflash_config", "tie_word_embeddings",
+    "dflash_config", "tie_word_embeddings", "rope_pct", "rope_percent",
 ]
 DFLASH_KEYS = [
     "block_size", "mask_token_id", "target_layer_ids", "attention_value_scale", "output_multiplier",
@@ -228,7 +229,8 @@ SCALARS = st.one_of(
     st.none(), st.booleans(),
     st.sampled_from([0, 1, 2, -1, 16, 29, 30, 49151, 49152, 576, 512, 513, 2**31, 2**32, 2**64, 10**400]),
     st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.5, 1.5, -0.0, 1e-300, 1e308]),
-    st.text(max_size=8), st.sampled_from(["silu", "gelu", "relu", "DFlashDraftModel", "sliding_attention", "16"]),
+    st.text(max_size=8), st.sampled_from(["silu", "gelu", "relu", "DFlashDraftModel", "sliding_attention", "16", "vanilla",
+                                          "gated", "DSparkSpeculator", "Gemma4DSparkModel", "LingDSparkModel"]),
 )
 JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=5),
                                                      st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=12)
@@ -244,6 +246,10 @@ CONFIG_MUTATION = st.one_of(
 )
 
 
+_CONTAINERS = {"set_dflash": "dflash_config", "set_rope": "rope_parameters", "set_nested": "transformer_layer_config"}
+"""Mutation ops that set a key inside a nested object (made an object first if it is not one)."""
+
+
 def apply_config(path: Path, mutations: list) -> None:
     text = path.read_text()
     config = json.loads(text)
@@ -253,14 +259,10 @@ def apply_config(path: Path, mutations: list) -> None:
             continue  # an earlier "replace" left no object to edit
         if op == "set":
             config[key] = value
-        elif op == "set_dflash":
-            if not isinstance(config.get("dflash_config"), dict):
-                config["dflash_config"] = {}
-            config["dflash_config"][key] = value
-        elif op == "set_rope":
-            if not isinstance(config.get("rope_parameters"), dict):
-                config["rope_parameters"] = {}
-            config["rope_parameters"][key] = value
+        elif op in _CONTAINERS:
+            if not isinstance(config.get(_CONTAINERS[op]), dict):
+                config[_CONTAINERS[op]] = {}
+            config[_CONTAINERS[op]][key] = value
         elif op == "delete":
             config.pop(key, None)
         elif op == "delete_dflash" and isinstance(config.get("dflash_config"), dict):
@@ -296,6 +298,81 @@ def test_config_mutations_are_converted_or_refused_in_one_line(reference_checkpo
     inputs = [ckpt / "config.json", ckpt / "model.safetensors"]
     before = _digest(inputs)
     judge("convert-config", {"mutations": repr(mutations)[:400]}, ckpt, out, inputs, before, convert(ckpt, out))
+
+
+# --- DSpark config.json and mask_embedding.pt -----------------------------------------------------------------------
+
+DSPARK_KEYS = [
+    "transformer_layer_config", "aux_hidden_state_layer_ids", "sample_from_anchor", "markov_head_type", "markov_rank",
+    "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size", "mask_token_id", "target_layer_ids",
+    "block_size", "dflash_config", "architectures",
+]
+MASK_FILES = ["garbage", "payload", "wrong_id", "wrong_shape", "not_dict", "nan", "tensor_id", "valid"]
+DSPARK_MUTATION = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(DSPARK_KEYS), JSON),
+    st.tuples(st.just("set_nested"), st.sampled_from(DSPARK_KEYS + ["hidden_size", "num_hidden_layers", "rope_parameters"]), JSON),
+    st.tuples(st.just("set_dflash"), st.sampled_from(DSPARK_KEYS + DFLASH_KEYS), JSON),
+    st.tuples(st.just("delete"), st.sampled_from(DSPARK_KEYS), st.none()),
+    st.tuples(st.just("mask_pt"), st.sampled_from(MASK_FILES), st.none()),
+)
+
+
+class _Payload:
+    """Unpickled by plain pickle, this creates `marker`: the converter must never run it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def apply_dspark(ckpt: Path, mutations: list, marker: Path) -> None:
+    import pickle
+
+    import torch
+
+    apply_config(ckpt / "config.json", [m for m in mutations if m[0] != "mask_pt"])
+    for _, key, _ in (m for m in mutations if m[0] == "mask_pt"):
+        pt = ckpt / "mask_embedding.pt"
+        row = torch.randn(576)
+        if key == "garbage":
+            pt.write_bytes(b"\x80\x04not a pickle at all")
+        elif key == "payload":
+            pt.write_bytes(pickle.dumps({"mask_token_id": 16, "embedding": _Payload(marker)}))
+        elif key == "not_dict":
+            torch.save(row, pt)
+        else:
+            mask_id = {"wrong_id": 17, "tensor_id": torch.tensor(16)}.get(key, 16)
+            row = {"wrong_shape": torch.randn(575), "nan": torch.full((576,), float("nan"))}.get(key, row)
+            torch.save({"mask_token_id": mask_id, "embedding": row}, pt)
+
+
+@pytest.fixture(scope="module")
+def dspark_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Reference-built DSpark checkpoints in DeepSpec's schema (confidence head) and the speculators export's."""
+    from dspark_reference import make_dspark_checkpoint
+
+    d = tmp_path_factory.mktemp("dspark")
+    return {"deepspec": make_dspark_checkpoint(d / "deepspec"),
+            "speculators": make_dspark_checkpoint(d / "speculators", schema="speculators", confidence=False)}
+
+
+@FUZZ_SETTINGS
+@given(schema=st.sampled_from(["deepspec", "speculators"]), mutations=st.lists(DSPARK_MUTATION, min_size=1, max_size=3))
+def test_dspark_config_and_mask_mutations_are_converted_or_refused(dspark_checkpoints, embedded_target, tmp_path_factory,
+                                                                  schema, mutations):
+    d = tmp_path_factory.mktemp("dspark-case")
+    ckpt = Path(shutil.copytree(dspark_checkpoints[schema], d / "ckpt"))
+    marker = d / "payload-ran"
+    apply_dspark(ckpt, mutations, marker)
+    out = d / "out" / "drafter.gguf"
+    out.parent.mkdir()
+    inputs = [ckpt / "config.json", ckpt / "model.safetensors", ckpt / "mask_embedding.pt", Path(embedded_target)]
+    before = _digest(inputs)
+    p = convert(ckpt, out, "--target", embedded_target)
+    judge("convert-dspark", {"schema": schema, "mutations": repr(mutations)[:400]}, ckpt, out, inputs, before, p,
+          problems=["mask_embedding.pt was unpickled with plain pickle (its payload ran)"] if marker.exists() else [])
 
 
 # --- safetensors header ------------------------------------------------------------------------------------------

@@ -104,11 +104,21 @@ def reduced_gguf_path(reference_checkpoint, embedded_target, tmp_path_factory) -
 
 
 @pytest.fixture(scope="module")
-def bases(dflash_gguf_path, dflash2_gguf_path, reduced_gguf_path) -> dict[str, Base]:
+def dspark_gguf_path(embedded_target, tmp_path_factory) -> Path:
+    """A reference-built DSpark checkpoint (anchor-first, confidence head, Markov rank 32), converted."""
+    from dspark_reference import make_dspark_checkpoint
+
+    d = tmp_path_factory.mktemp("dspark")
+    return convert_checkpoint(make_dspark_checkpoint(d / "ckpt"), d / "dspark.gguf", target=embedded_target, progress=False)
+
+
+@pytest.fixture(scope="module")
+def bases(dflash_gguf_path, dflash2_gguf_path, reduced_gguf_path, dspark_gguf_path) -> dict[str, Base]:
     return {
         "dflash": _read_base("dflash", dflash_gguf_path),
         "dflash2": _read_base("dflash2", dflash2_gguf_path),
         "reduced": _read_base("reduced", reduced_gguf_path),
+        "dspark": _read_base("dspark", dspark_gguf_path),
     }
 
 
@@ -124,7 +134,7 @@ DFLASH_KEYS = [
     "dflash.logit_scale", "dflash.final_logit_softcapping", "dflash.target_layers", "dflash.block_size",
     "dflash.vocab_size", "dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
     "dflash.selector_top_k", "dflash.nextn_predict_layers", "dflash.expert_count", "dflash.expert_used_count",
-    "dflash.sample_from_anchor", "tokenizer.ggml.mask_token_id", "tokenizer.ggml.model",
+    "dflash.sample_from_anchor", "dflash.has_confidence_head", "tokenizer.ggml.mask_token_id", "tokenizer.ggml.model",
     "dflash_gguf.target.fingerprint",
 ]
 
@@ -294,6 +304,8 @@ NAMED = [
     ("reduced", [("d2t", "no_output", 0)]),
     ("dflash", [("retype_tensor", "blk.0.ffn_down.weight", Q.I32)]),  # segfaulted in mul_mat
     ("dflash", [("retype_tensor", "blk.0.attn_norm.weight", Q.F16)]),  # aborted in the norm
+    ("dspark", [("retype_tensor", "markov_w1.weight", Q.I32)]),  # the Markov head's get_rows / mul_mat
+    ("dspark", [("set", "dflash.block_size", (0, V.UINT32, None))]),  # build_dspark_markov_head asserts it
 ]
 
 
