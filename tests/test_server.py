@@ -1,12 +1,14 @@
 """dflash-serve against real clients: uvicorn on a loopback port, the embedded target and its shipped drafter.
 
-Two servers share one loaded model (Session.fork): "main" has 2 slots and an API key, "tight" has one
-slot and a queue of one, for the queue and disconnect cases. Replies are compared with Session.chat /
-Session.generate on a third fork, greedy, with short max_tokens.
+Servers share one loaded model (Session.fork): "main" has 2 slots and an API key, "tight" has one
+slot, a queue of one and a fixed block size (4), for the queue, disconnect and seeded-sampling cases.
+Replies are compared with Session.chat / Session.generate on another fork, with short max_tokens.
+They run under serving.Server, the uvicorn server dflash-serve runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -22,28 +24,42 @@ import uvicorn
 from dflash_gguf import Session
 from dflash_gguf.server import ServerConfig, create_app
 from dflash_gguf.server.cli import bind
+from dflash_gguf.server.serving import Server
 
 KEY = "sk-test-key"
 N = 16  # max_tokens of the comparisons: short, the machine is shared
+TIGHT_BLOCK = 4  # the tight server's fixed block size: its seeded replies follow one draft schedule
 
 
 @contextlib.contextmanager
-def serve(sessions, config):
+def running(app):
+    """serving.Server (what dflash-serve runs) on a free loopback port, in a thread with its own loop.
+
+    Yields (url, loop): the loop lets a test call into the app where it runs (the engine is loop-only).
+    """
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(sessions, config), log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", loop
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
         assert not thread.is_alive(), "the server did not shut down"
+        loop.close()
+
+
+@contextlib.contextmanager
+def serve(sessions, config):
+    with running(create_app(sessions, config)) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +88,7 @@ def main_url(base):
 @pytest.fixture(scope="module")
 def tight_url(base):
     sessions = [base.fork()]
-    with serve(sessions, ServerConfig(max_queue=1)) as url:
+    with serve(sessions, ServerConfig(max_queue=1, block_size=TIGHT_BLOCK)) as url:
         yield url
     for s in sessions:
         s.close()
@@ -117,6 +133,15 @@ def test_chat_identical_to_session_chat_streamed_and_not(oai, ref):
     assert timings["predicted_per_second"] > 0 and timings["draft_n"] >= timings["draft_n_accepted"] >= 0
     dflash = got.model_extra["dflash"]
     assert dflash["tau"] >= 1.0 and dflash["cycles"] == sum(dflash["block_sizes"].values())
+    # per source: the same counts as the reply's, each source's acceptance its own; the speedup is the
+    # reply's own (None until it ran enough plain cycles), never against a baseline measured elsewhere
+    sources = dflash["per_source"]
+    assert sum(v["n_drafted"] for v in sources.values()) == dflash["n_drafted"] == timings["draft_n"]
+    assert sum(v["n_accepted"] for v in sources.values()) == dflash["n_accepted"] == timings["draft_n_accepted"]
+    assert all(v["acceptance_rate"] == v["n_accepted"] / v["n_drafted"] for v in sources.values() if v["n_drafted"])
+    assert set(sources) <= {"dflash", "dflash2", "dspark", "lookup"}
+    assert dflash["in_reply_speedup"] == want.stats.in_reply_speedup is None or dflash["in_reply_speedup"] > 0
+    assert dflash["memory"] == "kv" and dflash["memory_extra_bytes"] == 0
 
     pieces, usage, last = [], None, None
     for chunk in oai.chat.completions.create(model="smol", messages=messages, max_tokens=N, temperature=0,
@@ -164,6 +189,72 @@ def test_anthropic_messages_streamed_and_not(claude, ref):
                                  extra_body=GREEDY)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
     assert want.text.startswith(cut.content[0].text) and word not in cut.content[0].text
+
+
+def test_max_completion_tokens_wins_over_max_tokens(oai):
+    r = oai.chat.completions.create(model="smol", messages=ask("Tell me a long story about a cat."), max_tokens=12,
+                                    max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 == r.model_extra["timings"]["predicted_n"]
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_stop_on_the_openai_routes_cuts_the_reply_there(oai, ref):
+    messages = ask("Name three colours of the rainbow.")
+    want = reference_chat(ref, messages).text
+    word = want.split()[2]
+    cut = want[: want.index(word)]
+    got = oai.chat.completions.create(model="smol", messages=messages, max_tokens=N, temperature=0, stop=[word])
+    assert got.choices[0].message.content == cut and got.choices[0].finish_reason == "stop"
+    streamed = oai.chat.completions.create(model="smol", messages=messages, max_tokens=N, temperature=0, stop=word,
+                                           stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+    prompt = "The capital of France is"
+    ref.reset()
+    full = ref.generate(prompt, max_tokens=N, temperature=0.0).text
+    word = full.split()[1]
+    done = oai.completions.create(model="smol", prompt=prompt, max_tokens=N, temperature=0, stop=[word])
+    assert done.choices[0].text == full[: full.index(word)] and done.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_reproduces_a_sampled_reply(tight_url, ref):
+    """With a fixed block size the draft schedule is fixed, so a seed fixes the reply: the same twice over
+    HTTP, and the same as Session.chat with that seed (docs/SERVER.md says why adaptive blocks differ)."""
+    messages = ask("Write a short poem about rain.")
+    body = {"messages": messages, "max_tokens": N, "temperature": 0.9, "top_p": 1.0, "top_k": 0}
+
+    def reply(seed):
+        r = httpx.post(tight_url + CHAT, json={**body, "seed": seed}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    first = reply(1234)
+    assert reply(1234) == first
+    ref.reset()
+    want = ref.chat(messages, max_tokens=N, temperature=0.9, top_p=1.0, top_k=0, seed=1234, block_size=TIGHT_BLOCK)
+    assert first == want.text
+    assert len({first, reply(1), reply(2), reply(3)}) >= 2  # and the seed matters
+
+
+def test_anthropic_stream_carries_timings_and_figures(main_url):
+    body = {"model": "smol", "max_tokens": N, "temperature": 0, "stream": True,
+            "messages": ask("What is the boiling point of water?")}
+    events, texts = {}, []
+    with httpx.stream("POST", main_url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=120) as r:
+        assert r.status_code == 200
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                events[name] = data
+                if name == "content_block_delta":
+                    texts.append(data["delta"]["text"])
+    delta = events["message_delta"]
+    assert "message_stop" in events
+    assert delta["timings"]["predicted_n"] == delta["usage"]["output_tokens"] > 0
+    assert delta["timings"]["prompt_n"] + delta["timings"]["cache_n"] == events["message_start"]["message"]["usage"]["input_tokens"]
+    assert delta["dflash"]["tau"] >= 1.0 and "per_source" in delta["dflash"] and texts
 
 
 # -- concurrency, cancellation, the queue --------------------------------------------------------
@@ -331,6 +422,76 @@ def test_follow_up_turns_land_on_the_slot_that_holds_their_prefix(main_url):
         _, got_slot, timings = turn(follow)
         assert got_slot == slot
         assert timings["cache_n"] > 40  # the whole first turn, not only the template's system prefix
+
+
+def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(main_url):
+    """Both slots busy, two follow-ups queued (B's first): when A's slot frees it goes to A's follow-up,
+    not to the queue's head, whose conversation lives on the other slot; B's gets B's slot after."""
+    def turn(messages, max_tokens=6):
+        r = httpx.post(main_url + CHAT, headers=AUTH, timeout=120,
+                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        assert r.status_code == 200, r.text
+        r = r.json()
+        return r["choices"][0]["message"]["content"], r["dflash"]["slot"], r["timings"]
+
+    opening = [ask("Describe a lighthouse in one sentence, please."), ask("Name two rivers in Europe and their seas.")]
+    with ThreadPoolExecutor(2) as pool:
+        (a_text, a_slot, _), (b_text, b_slot, _) = pool.map(turn, opening)
+    assert a_slot != b_slot
+    a = opening[0] + [{"role": "assistant", "content": a_text}]
+    b = opening[1] + [{"role": "assistant", "content": b_text}]
+    # greedy replies of 300+ tokens (checked once: each counts to 300), so both slots stay busy throughout
+    count_a = {"role": "user", "content": "Now count from 1 to 300, separated by commas."}
+    count_b = {"role": "user", "content": "Now list the numbers from 1 to 300, separated by commas."}
+    busy = {"max_tokens": 2000, "temperature": 0, "stream": True}
+    follow = {"role": "user", "content": "And then?"}
+    with ThreadPoolExecutor(2) as pool, \
+            httpx.stream("POST", main_url + CHAT, headers=AUTH, json={**busy, "messages": a + [count_a]}, timeout=60) as sa, \
+            httpx.stream("POST", main_url + CHAT, headers=AUTH, json={**busy, "messages": b + [count_b]}, timeout=60) as sb:
+        for s in (sa, sb):
+            assert s.status_code == 200 and any("content" in line for line in s.iter_lines())
+        health = lambda: httpx.get(main_url + "/health").json()  # noqa: E731
+        assert health()["slots_idle"] == 0
+        queued_b = pool.submit(turn, b + [follow])
+        _wait_for(lambda: health()["queue_depth"] == 1)
+        queued_a = pool.submit(turn, a + [follow], 48)
+        _wait_for(lambda: health()["queue_depth"] == 2)
+        sa.close()  # A's slot frees
+        _wait_for(lambda: health()["queue_depth"] == 1)
+        sb.close()
+        _, got_a, timings_a = queued_a.result()
+        _, got_b, timings_b = queued_b.result()
+    assert (got_a, got_b) == (a_slot, b_slot)
+    assert timings_a["cache_n"] > 40 and timings_b["cache_n"] > 40
+
+
+def test_shutdown_refuses_queued_and_new_requests_and_ends_streams(base):
+    """What the app does once uvicorn begins to stop (serving.Server calls engine.begin_shutdown, then
+    closes the listening socket; here it is called alone, so the refusals can be seen over HTTP)."""
+    sessions = [base.fork()]
+    app = create_app(sessions, ServerConfig(max_queue=2))
+    try:
+        with running(app) as (url, loop), ThreadPoolExecutor(1) as pool:
+            with httpx.stream("POST", url + CHAT, json=LONG, timeout=60) as stream:
+                lines = stream.iter_lines()
+                assert stream.status_code == 200 and any("content" in line for line in lines)
+                queued = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "One,", "max_tokens": 4},
+                                     timeout=60)
+                _wait_for(lambda: _health(url)["queue_depth"] == 1)
+                loop.call_soon_threadsafe(app.state.engine.begin_shutdown)
+                refused = queued.result()
+                health = httpx.get(url + "/health")
+                new = httpx.post(url + "/v1/completions", json={"prompt": "Two,", "max_tokens": 4})
+                rest = list(lines)
+            for r in (refused, new):
+                assert r.status_code == 503 and r.headers["retry-after"] == "5"
+                assert r.json()["error"]["code"] == "shutting_down"
+            assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+            assert [line for line in rest if line][-1] == "data: [DONE]"
+            assert any('"code": "cancelled"' in line for line in rest)
+            _wait_for(lambda: _health(url)["slots_idle"] == 1)
+    finally:
+        sessions[0].close()
 
 
 def test_chunked_body_over_the_limit_is_413(main_url):

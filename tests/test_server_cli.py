@@ -1,4 +1,5 @@
-"""The dflash-serve command: one-line usage errors, a taken port, the loopback warning, SIGTERM with a stream open."""
+"""The dflash-serve command: one-line usage errors, a taken port, the loopback warning, SIGTERM / SIGINT with a
+stream open and a request queued, --lookup."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -52,9 +54,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_with_a_stream_open_ends_cleanly():
+COPY = (
+    "Repeat this paragraph exactly.\n\nDr. No is the sixth novel by the English author Ian Fleming to feature his "
+    "British Secret Service agent James Bond. Written at Fleming's Goldeneye estate in Jamaica, it was first "
+    "published in the United Kingdom by Jonathan Cape in 1958."
+)
+
+
+@pytest.mark.parametrize("sig, flags", [
+    (signal.SIGTERM, ["--host", "0.0.0.0"]),
+    (signal.SIGINT, ["--lookup"]),
+], ids=["SIGTERM", "SIGINT-with-lookup"])
+def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
     port = _free_port()
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--host", "0.0.0.0", "--log-level", "warning"],
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-level", "warning", *flags],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -66,19 +79,34 @@ def test_sigterm_with_a_stream_open_ends_cleanly():
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
+        if "--lookup" in flags:  # lookup drafts next to the drafter: a copied paragraph is drafted by lookup
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": COPY}], "max_tokens": 48, "temperature": 0}).json()
+            assert r["dflash"]["per_source"]["lookup"]["n_accepted"] > 0
+            assert r["dflash"]["tokens_by_provenance"]["lookup"] > 0
         body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000,
                 "temperature": 0.7, "stream": True}
         lines = []
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 lines.append(line)
-                if len(lines) == 4:
-                    proc.send_signal(signal.SIGTERM)
+                if len(lines) == 4:  # the stream runs: queue a second request behind it, then the signal
+                    queued = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4},
+                                         timeout=60)
+                    while httpx.get(url + "/health", timeout=5).json()["queue_depth"] != 1:
+                        assert time.monotonic() < deadline + 60, "the second request was not queued"
+                        time.sleep(0.05)
+                    proc.send_signal(sig)
+            refused = queued.result()
         assert proc.wait(30) == 0
         assert [line for line in lines if line][-1] == "data: [DONE]"  # the stream was closed by the server, not cut
         assert any('"code": "cancelled"' in line for line in lines)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["code"] == "shutting_down"
         err = proc.stderr.read()
-        assert "warning: binding 0.0.0.0 without --api-key" in err and "Traceback" not in err
+        assert "Traceback" not in err
+        if "0.0.0.0" in flags:
+            assert "warning: binding 0.0.0.0 without --api-key" in err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,8 +1,10 @@
 """The FastAPI app: routes, guards (API key, body size), the error shape, metrics, and a clean shutdown.
 
 create_app takes Sessions already opened (one per slot) and does not close them: their owner (the CLI,
-a test fixture) does, after the server has stopped. On shutdown the app refuses new work with 503,
-cancels every running generation at its next cycle and waits for the slot threads to let go.
+a test fixture) does, after the server has stopped. Run it with serving.Server: as soon as uvicorn
+begins to stop, queued and new requests get 503 and streams end at their next cycle; non-streamed
+replies may finish within uvicorn's graceful timeout, then the lifespan cancels what is left and waits
+for the slot threads to let go.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def create_app(sessions: Sequence[Session], config: ServerConfig | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.pool.close()
+        engine.begin_shutdown()  # already called by serving.Server when uvicorn began to stop
         engine.cancel_all()
         if not await engine.drain(SHUTDOWN_DRAIN_S):
             log.warning("a generation did not stop within %.0f s of shutdown", SHUTDOWN_DRAIN_S)

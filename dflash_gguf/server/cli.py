@@ -7,11 +7,9 @@ and caches, shared weights). Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -37,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gpu-layers", type=int, default=0, help="-1 offloads every layer (CUDA/Metal builds)")
     p.add_argument("--threads", type=int, help="CPU threads per slot (default: llama.cpp's choice)")
     p.add_argument("--block-size", type=int, help="fixed block size (default: adaptive)")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="n-gram lookup drafts next to the drafter (default: on only without a drafter, as Session)")
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
     p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
@@ -100,7 +100,8 @@ def bind(host: str, port: int) -> socket.socket:
 def open_sessions(a: argparse.Namespace) -> list:
     from ..session import Session
 
-    first = Session(a.target, a.drafter, n_ctx=a.n_ctx, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads)
+    first = Session(a.target, a.drafter, n_ctx=a.n_ctx, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads,
+                    lookup=a.lookup)
     sessions = [first]
     try:
         for _ in range(a.parallel - 1):
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvicorn
 
         from .app import create_app
+        from .serving import Server
     except ImportError as e:
         print(f"{PROG}: error: the server needs its extra: pip install 'dflash-gguf[server]' ({e.name} is missing)",
               file=sys.stderr)
@@ -151,31 +153,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, port = sock.getsockname()[:2]
         print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
               file=sys.stderr, flush=True)
-        server = _server_class(uvicorn)(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,
-                                               access_log=a.log_level == "debug"))
+        server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,
+                                       access_log=a.log_level == "debug"))
         server.run(sockets=[sock])
     finally:
         sock.close()
         for s in sessions:
             s.close()
     return 0
-
-
-def _server_class(uvicorn):
-    class Server(uvicorn.Server):
-        """uvicorn's server, except that SIGINT/SIGTERM are not re-raised once the shutdown is done, so
-        the Sessions are closed in order and the exit status is 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
 
 
 def _url_host(host: str) -> str:

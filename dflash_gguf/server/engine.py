@@ -133,6 +133,16 @@ class Engine:
         self.runs.add(run)
         return run
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: queued and new requests get 503, streams end at their next cycle.
+
+        Non-streamed generations run on (uvicorn waits for them up to its graceful timeout; the app's
+        lifespan then cancels whatever is left)."""
+        self.pool.close()
+        for run in list(self.runs):
+            if run.prepared.job.stream:
+                run.cancel()
+
     def cancel_all(self) -> None:
         for run in list(self.runs):
             run.cancel()

@@ -4,6 +4,12 @@ Runs on the event loop only (no locks): a request takes a free slot at once when
 otherwise joins the queue, or gets 429 when the queue is full (503 once the server is closing).
 Among free slots it takes the one whose cached tokens its prompt extends the most, so that a
 multi-turn chat keeps landing on the slot that holds its KV; ties go to the least recently used.
+
+A slot that frees while requests wait goes to the earliest waiter whose conversation lives there (its
+prompt shares at least AFFINITY_MARGIN more tokens with that slot's cache than with any other slot's);
+failing that, to the earliest waiter with no such home elsewhere; failing that, to the queue's head.
+So a queued follow-up turn waits for its own slot only while others can use the one that freed, and
+a slot never idles while anyone waits.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Sequence
 from ..session import Session
 from .errors import APIError
 
+AFFINITY_MARGIN = 16  # prompt tokens a slot's cache must share beyond any other slot's to be a request's home
 
 @dataclass(eq=False)
 class Slot:
@@ -96,11 +103,28 @@ class SlotPool:
             self._durations.append(duration_s)
         slot.last_used = time.monotonic()
         slot.busy = False
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.future.done():
-                waiter.future.set_result(self._take(slot))
-                return
+        self._waiting = deque(w for w in self._waiting if not w.future.done())  # clients gone while queued
+        if self._waiting:
+            waiter = self._next_for(slot)
+            self._waiting.remove(waiter)
+            waiter.future.set_result(self._take(slot))
+
+    def home(self, tokens: Sequence[int]) -> Slot | None:
+        """The slot whose cache this prompt extends by AFFINITY_MARGIN tokens more than any other's, if one does."""
+        if len(self.slots) < 2:
+            return None
+        ranked = sorted(self.slots, key=lambda s: s.shared_prefix(tokens), reverse=True)
+        first, second = ranked[0].shared_prefix(tokens), ranked[1].shared_prefix(tokens)
+        return ranked[0] if first - second >= AFFINITY_MARGIN else None
+
+    def _next_for(self, slot: Slot) -> _Waiter:
+        """Who gets a freed slot: its own conversation first, then a waiter not tied elsewhere, then the head."""
+        homes = [self.home(w.tokens) for w in self._waiting]
+        for want in (slot, None):
+            for waiter, home in zip(self._waiting, homes):
+                if home is want:
+                    return waiter
+        return self._waiting[0]
 
     def close(self) -> None:
         """Refuse new requests and every waiting one with 503; running generations are the app's to cancel."""

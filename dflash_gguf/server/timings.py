@@ -48,22 +48,29 @@ def llama_timings(stats: GenerationStats) -> dict[str, Any]:
 
 
 def dflash_figures(stats: GenerationStats, blocks: BlockSizes, *, slot: int, queue_ms: float) -> dict[str, Any]:
-    """The namespaced DFlash figures: tau, cycles, block sizes chosen, where the time went."""
+    """The namespaced DFlash figures: tau, cycles, block sizes chosen, each draft source's acceptance,
+    the like-for-like speedup (None until the reply ran enough plain cycles), where the time went."""
     return {
         "tau": stats.acceptance_length,
         "cycles": stats.cycles,
-        "plain_cycles": getattr(stats, "plain_cycles", None),
+        "plain_cycles": stats.plain_cycles,
         "n_drafted": stats.n_drafted,
         "n_accepted": stats.n_accepted,
         "acceptance_histogram": list(stats.acceptance_histogram),
         "block_size": stats.block_size,  # fixed by the request/server, or None: adaptive
         "block_sizes": blocks.as_dict(),  # block size -> cycles that verified it
         "mean_block_size": stats.mean_block_size,
+        "per_source": {name: {"cycles": s.cycles, "n_drafted": s.n_drafted, "n_accepted": s.n_accepted,
+                              "acceptance_rate": s.acceptance_rate} for name, s in stats.per_source.items()},
+        "tokens_by_provenance": dict(stats.tokens_by_provenance),
+        "in_reply_speedup": stats.in_reply_speedup,
+        "in_reply_plain_tokens_per_s": stats.in_reply_plain_tokens_per_s,
         "draft_ms": stats.draft_s * 1000.0,
         "verify_ms": stats.verify_s * 1000.0,
         "speculative": stats.speculative,
-        "speculative_disabled_reason": getattr(stats, "speculative_disabled_reason", None),
-        "tokens_by_provenance": dict(getattr(stats, "tokens_by_provenance", {}) or {}),
+        "speculative_disabled_reason": stats.speculative_disabled_reason,
+        "memory": stats.memory,
+        "memory_extra_bytes": stats.memory_extra_bytes,
         "slot": slot,
         "queue_ms": queue_ms,
     }
