@@ -11,14 +11,17 @@ import bisect
 import math
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping, Sequence
 
+from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
 if TYPE_CHECKING:
     from .drafter import Drafter
     from .memory import TargetMemory
+    from .sources import Candidate
     from .target import Target
 
 TimingKind = Literal["draft", "verify", "plain", "rollback"]
@@ -314,14 +317,34 @@ PLAIN_CHOICE_REASON = "plain decoding"
 
 
 class Policy(ABC):
-    """Chooses each cycle's (source, length) from what the sources offer, and learns from the outcome."""
+    """Chooses each cycle's (source, length) from what the sources offer, and learns from the outcome.
+
+    confidence_threshold: where a proposal carries predicted acceptances (DSpark's confidence head), its
+    drafts are cut at the first one below this (upstream's --spec-draft-p-min); None cuts nothing.
+    """
+
+    confidence_threshold: float | None = None
 
     @abstractmethod
     def choose(self, offers: Mapping[str, int]) -> Choice:
         """offers: source name -> how many tokens it can propose now (sources with 0 are left out)."""
 
+    def verify_length(self, candidate: "Candidate") -> int:
+        """How many of a proposal's drafts to verify (0: decode plainly instead)."""
+        if candidate.confidences is None or self.confidence_threshold is None:
+            return len(candidate)
+        return confident_prefix(candidate.confidences, self.confidence_threshold)
+
     def observe(self, choice: Choice, n_accepted: int, timing: "CycleTiming") -> None:
         """What the chosen cycle accepted and cost."""
+
+
+def _best_verify_length(candidate: "Candidate", costs: "CostModel", threshold: float | None) -> int:
+    """With confidences: the verify length with the most expected tokens per second under the measured costs
+    (the draft is already paid for, so only verification is priced), within the threshold's cut."""
+    if candidate.confidences is None:
+        return len(candidate)
+    return best_verify_length(candidate.confidences, costs.verify_s, threshold=threshold or 0.0)
 
 
 @dataclass(frozen=True)
@@ -343,14 +366,18 @@ class PlainPolicy(Policy):
 
 
 class FixedPolicy(Policy):
-    """A fixed block: the first source that offers anything drafts up to block_size - 1 tokens."""
+    """A fixed block: the first source that offers anything drafts what a block of block_size holds
+    (block_size - 1 tokens, or block_size for sources named in `drafts`, e.g. anchor-first DSpark)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, drafts: Mapping[str, int] | None = None,
+                 confidence_threshold: float | None = None) -> None:
         self.block_size = block_size
+        self.drafts = dict(drafts or {})
+        self.confidence_threshold = confidence_threshold
 
     def choose(self, offers: Mapping[str, int]) -> Choice:
         for source, n in offers.items():
-            n = min(n, self.block_size - 1)
+            n = min(n, self.drafts.get(source, self.block_size - 1))
             if n > 0:
                 return Choice(source, n, StepKind.DRAFT, f"fixed block {self.block_size}")
         return Choice(None, 0, StepKind.PLAIN, f"fixed block {self.block_size}: no draft offered")
@@ -359,9 +386,13 @@ class FixedPolicy(Policy):
 class AdaptivePolicy(Policy):
     """One source under a BlockController: the block size that maximises expected tokens per second."""
 
-    def __init__(self, source: str, controller: BlockController) -> None:
+    def __init__(self, source: str, controller: BlockController, *, confidence_threshold: float | None = None) -> None:
         self.source = source
         self.controller = controller
+        self.confidence_threshold = confidence_threshold
+
+    def verify_length(self, candidate: "Candidate") -> int:
+        return _best_verify_length(candidate, self.controller.costs, self.confidence_threshold)
 
     def choose(self, offers: Mapping[str, int]) -> Choice:
         offered = offers.get(self.source, 0)
@@ -403,16 +434,41 @@ def calibrate(
     a larger one did. Where rolling back is more than a KV truncation, its cost is measured too.
     """
     from .memory import KVTruncation
-    from .timing import time_batch
 
     if budget_s <= 0.0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
     memory = memory or KVTruncation(target)
     block = min(drafter.block_size, max_block or drafter.block_size)
-    p0 = target.pos_max(0) + 1
+    p0 = max(1, target.pos_max(0) + 1)
     if block < 2 or p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
         raise ValueError(f"no room to calibrate a block of {block}: {p0} positions cached, context {target.n_ctx_seq}")
     token = max(0, target.bos_token())
+    with _timing_position(target, memory, token) as p0:
+        return _calibrate_at(p0, target, drafter, memory, block, token, budget_s, smoothing)
+
+
+@contextmanager
+def _timing_position(target: Target, memory: TargetMemory, token: int) -> Iterator[int]:
+    """The position to time batches at: after the cached ones, or after a one-token prefix on an empty
+    cache (rolling back to position 0 is a plain clear on hybrid targets, not the rollback the loop pays).
+    The prefix is a turn checkpoint for hybrid memory, so each timed batch rolls back to it; it is
+    removed afterwards."""
+    p0 = target.pos_max(0) + 1
+    if p0 > 0:
+        yield p0
+        return
+    target.decode([token], 0, logits=False)
+    memory.end_of_turn(1)
+    try:
+        yield 1
+    finally:
+        memory.truncate(0)
+
+
+def _calibrate_at(p0: int, target: Target, drafter: Drafter, memory: TargetMemory, block: int, token: int,
+                  budget_s: float, smoothing: float) -> CostModel:
+    from .timing import time_batch
+
     sizes = sorted({n for n in CALIBRATION_SIZES if n <= block} | {block})
     draft_sizes = sorted({2, block})
     rollback: dict[int, float] = {}
@@ -448,8 +504,15 @@ def calibrate(
             seconds = fn(n)
             table[n] = min(seconds, table.get(n, math.inf))
         sweeps += 1
-    rollback_table = None if isinstance(memory, KVTruncation) else {n: max(s, _MIN_ROLLBACK_S) for n, s in rollback.items()}
-    return CostModel(_non_decreasing(verify), _non_decreasing(draft), rollback=rollback_table, smoothing=smoothing)
+    return CostModel(_non_decreasing(verify), _non_decreasing(draft), rollback=_rollback_table(memory, rollback),
+                     smoothing=smoothing)
+
+
+def _rollback_table(memory: TargetMemory, measured: dict[int, float]) -> dict[int, float] | None:
+    """Rollback costs worth pricing: none for a KV truncation (nearly free), else what was measured."""
+    from .memory import KVTruncation
+
+    return None if isinstance(memory, KVTruncation) else {n: max(s, _MIN_ROLLBACK_S) for n, s in measured.items()}
 
 
 def _non_decreasing(table: dict[int, float]) -> dict[int, float]:
@@ -484,21 +547,26 @@ def calibrate_verify(
     from .timing import time_batch
 
     memory = memory or KVTruncation(target)
-    p0 = target.pos_max(0) + 1
+    p0 = max(1, target.pos_max(0) + 1)
     top = min(max_tokens, target.n_batch, target.n_ctx_seq - p0)
     if top < 2:
-        raise ValueError(f"no room to calibrate: {p0} positions cached, context {target.n_ctx_seq}")
+        raise ValueError(f"no room to calibrate: {p0 - 1} positions cached, context {target.n_ctx_seq}")
     sizes = sorted({n for n in LOOKUP_CALIBRATION_SIZES if n <= top} | {top})
     token = max(0, target.bos_token())
     verify: dict[int, float] = {}
-    time_batch(target, [token] * top, p0, memory)  # warm-up
-    deadline = time.perf_counter() + budget_s
-    sweeps = 0
-    while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
-        for n in sizes:
-            verify[n] = min(time_batch(target, [token] * n, p0, memory).wall_s, verify.get(n, math.inf))
-        sweeps += 1
-    return CostModel(_non_decreasing(verify), {1: _LOOKUP_DRAFT_S}, smoothing=smoothing)
+    rollback: dict[int, float] = {}
+    with _timing_position(target, memory, token) as p0:
+        time_batch(target, [token] * top, p0, memory)  # warm-up
+        deadline = time.perf_counter() + budget_s
+        sweeps = 0
+        while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
+            for n in sizes:
+                timing = time_batch(target, [token] * n, p0, memory)
+                verify[n] = min(timing.wall_s, verify.get(n, math.inf))
+                rollback[n] = min(timing.rollback_s, rollback.get(n, math.inf))
+            sweeps += 1
+    return CostModel(_non_decreasing(verify), {1: _LOOKUP_DRAFT_S}, rollback=_rollback_table(memory, rollback),
+                     smoothing=smoothing)
 
 
 def extend_verify_costs(costs: CostModel, target: Target, *, memory: TargetMemory | None = None, max_tokens: int = 33,
@@ -522,7 +590,7 @@ class LookupPolicy(Policy):
     """
 
     def __init__(self, lookup, costs: CostModel | None = None, *, native: str | None = None,
-                 controller: BlockController | None = None) -> None:
+                 controller: BlockController | None = None, confidence_threshold: float | None = None) -> None:
         if (native is None) != (controller is None):
             raise ValueError("a native source needs its BlockController, and a controller its source name")
         if costs is None and controller is None:
@@ -531,7 +599,11 @@ class LookupPolicy(Policy):
         self.native = native
         self.controller = controller
         self.costs = controller.costs if controller is not None else costs
+        self.confidence_threshold = confidence_threshold
         self._lookup_draft = CostTable({1: _LOOKUP_DRAFT_S})
+
+    def verify_length(self, candidate: "Candidate") -> int:
+        return _best_verify_length(candidate, self.costs, self.confidence_threshold)
 
     def _lookup_rate(self, n: int, expected: Sequence[float]) -> float:
         return expected[n] / (self.costs.verify_s(n + 1) + self._lookup_draft.seconds(1))

@@ -16,6 +16,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled
+from .confidence import check_threshold
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
 from .sampling import SamplingParams, probabilities, sample_token
@@ -33,6 +34,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     speculative: bool = True
     block_size: int | None = None
+    confidence_threshold: float | None = None  # cut drafts at the first predicted acceptance below it (DSpark)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -44,6 +46,8 @@ class GenerationConfig:
         b = self.block_size
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"block_size must be None (adaptive) or an integer >= 1, got {b!r}")
+        if self.confidence_threshold is not None:
+            check_threshold(self.confidence_threshold)
 
 
 @dataclass
@@ -73,31 +77,51 @@ class CacheState:
 
 
 class TextStream:
-    """Incremental detokenisation with stop strings: text that could start a stop string is held back."""
+    """Incremental detokenisation with stop strings: text that could start a stop string is held back.
+
+    Text comes out as (piece, source) pairs: held-back text keeps the source of the token that produced
+    it, not of the token that released it.
+    """
 
     def __init__(self, target: Target, stop: Sequence[str]) -> None:
         self._token_bytes = target.token_bytes
         self._stop = tuple(stop)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._held = ""
+        self._held: list[tuple[str, TokenSource]] = []
         self.stopped_by: str | None = None  # the stop string that ended the text, once one has
 
-    def feed(self, token: int) -> tuple[str, bool]:
+    def feed(self, token: int, source: TokenSource) -> tuple[list[tuple[str, TokenSource]], bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
-        self._held += self._decoder.decode(self._token_bytes(token))
+        piece = self._decoder.decode(self._token_bytes(token))
+        if piece:
+            self._held.append((piece, source))
+        held = "".join(t for t, _ in self._held)
         for s in self._stop:
-            i = self._held.find(s)
+            i = held.find(s)
             if i >= 0:
-                out, self._held = self._held[:i], ""
                 self.stopped_by = s
+                out, self._held = self._take(i), []
                 return out, True
-        keep = max((k for s in self._stop for k in range(1, len(s)) if self._held.endswith(s[:k])), default=0)
-        cut = len(self._held) - keep
-        out, self._held = self._held[:cut], self._held[cut:]
-        return out, False
+        keep = max((k for s in self._stop for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+        return self._take(len(held) - keep), False
 
-    def flush(self) -> str:
-        out, self._held = self._held + self._decoder.decode(b"", final=True), ""
+    def flush(self, source: TokenSource) -> list[tuple[str, TokenSource]]:
+        """Everything held, and the decoder's tail (an incomplete character) as `source`'s."""
+        out, self._held = self._held + [(self._decoder.decode(b"", final=True), source)], []
+        return out
+
+    def _take(self, n: int) -> list[tuple[str, TokenSource]]:
+        """The first n held characters, each with its source; they leave the hold."""
+        out: list[tuple[str, TokenSource]] = []
+        while n > 0 and self._held:
+            text, src = self._held[0]
+            if len(text) <= n:
+                out.append(self._held.pop(0))
+                n -= len(text)
+            else:
+                out.append((text[:n], src))
+                self._held[0] = (text[n:], src)
+                n = 0
         return out
 
 
@@ -168,25 +192,30 @@ def decode_steps(
     while not done:
         t_cycle = time.perf_counter()
         if n_past >= n_ctx:
-            tail = text.flush()
-            yield Step(kind=StepKind.CONTEXT_FULL, tokens=[], text=tail, spans=_spans([(tail, TokenSource.PLAIN)]),
+            tail = _spans(text.flush(TokenSource.PLAIN))
+            yield Step(kind=StepKind.CONTEXT_FULL, tokens=[], text="".join(t for t, _ in tail), spans=tail,
                        reason="context full", finish_reason="length")
             return
         # the block [last, drafts] must fit the context and one batch, and commit no more than max_tokens allows
         room = max(0, min(n_ctx - n_past - 1, target.n_batch - 1, config.max_tokens - n_generated - 1))
         choice = policy.choose(_offers(active, last, n_past, room))
-        n_draft = min(choice.n_draft, room)
-        if n_draft != choice.n_draft:
-            choice = Choice(choice.source if n_draft else None, n_draft, choice.kind if n_draft else StepKind.PLAIN, choice.reason)
+        if choice.n_draft > room:
+            choice = _shorten(choice, room)
+        n_draft = choice.n_draft
 
         candidate: Candidate | None = None
         t_draft = time.perf_counter()
         if n_draft:
             candidate = by_name[choice.source].propose(last, n_past, n_draft, params, rng)
+            n_verify = policy.verify_length(candidate)
+            if n_verify < n_draft:  # the proposal's confidences say the rest would fail: verify fewer
+                choice = _shorten(choice, n_verify, f"; confidence cut to {n_verify}")
+                n_draft = n_verify
+                candidate = candidate.head(n_draft) if n_draft else None
         block = [last] + ([] if candidate is None else candidate.tokens.tolist())
-        t_verify = time.perf_counter()
-
+        t_save = time.perf_counter()
         memory.before_verify(n_past, len(block))
+        t_verify = time.perf_counter()
         target.decode(block, n_past, logits=True)
         n_accepted, bonus = _verify(target.output_logits(), candidate, params, rng)
         t_keep = time.perf_counter()
@@ -195,7 +224,8 @@ def decode_steps(
 
         commit(n_past, block[: n_accepted + 1])
         n_past += n_accepted + 1
-        timing = CycleTiming(len(block), t_verify - t_draft, t_keep - t_verify, t_done - t_keep)
+        # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
+        timing = CycleTiming(len(block), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))
         policy.observe(choice, n_accepted, timing)
 
         drafted = by_name[choice.source].provenance if n_draft else None
@@ -225,6 +255,13 @@ def decode_steps(
         )
 
 
+def _shorten(choice: Choice, n_draft: int, note: str = "") -> Choice:
+    """The same choice with fewer drafts (none: a plain step)."""
+    if n_draft == 0:
+        return Choice(None, 0, StepKind.PLAIN, choice.reason + note)
+    return Choice(choice.source, n_draft, choice.kind, choice.reason + note)
+
+
 def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -> Mapping[str, int]:
     """What each source can propose now, within the room this cycle has."""
     if room == 0:
@@ -250,9 +287,8 @@ def _verify(logits: np.ndarray, candidate: Candidate | None, params: SamplingPar
         return 0, _pick(logits, params, rng)
     if params.greedy:
         return accept_greedy(candidate.tokens, logits.argmax(axis=1))
-    return accept_sampled(
-        candidate.tokens, candidate.q, probabilities(logits, params), rng, draft_indices=candidate.q_ids
-    )
+    q, q_ids = candidate.proposal()
+    return accept_sampled(candidate.tokens, q, probabilities(logits, params), rng, draft_indices=q_ids)
 
 
 @dataclass(frozen=True)
@@ -279,17 +315,17 @@ def _commit(
     finish = None
     for i, (tok, src) in enumerate(zip(new, provenance)):
         if target.is_eog(tok):
-            pieces.append((text.flush(), src))
+            pieces += text.flush(src)
             finish = "stop"
             break
         tokens.append(tok)
-        piece, stopped = text.feed(tok)
-        pieces.append((piece, src))
+        released, stopped = text.feed(tok, src)
+        pieces += released
         if stopped:
             finish = "stop"
             break
         if n_generated + i + 1 >= config.max_tokens:
-            pieces.append((text.flush(), src))
+            pieces += text.flush(src)
             finish = "length"
             break
     spans = _spans(pieces)

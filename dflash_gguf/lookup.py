@@ -287,7 +287,7 @@ class LookupSource(DraftSource):
         tokens = self.index.continuation(m, last, n_draft)
         self._proposed = (n_past, m.length, tokens)
         ids = np.asarray(tokens, dtype=np.int64)
-        return Candidate(self.name, ids, q=np.ones((len(ids), 1)), q_ids=ids[:, None].copy(), point_mass=True)
+        return Candidate(self.name, ids, point_mass=True)
 
     def observe(self, commit: Commit) -> None:
         if commit.start != len(self.index):

@@ -78,6 +78,7 @@ class TargetMemory(ABC):
 
     name: str
     can_rollback: bool = True  # False: only plain decoding can run on this target
+    reason: str | None = None  # why it cannot roll back, for Session.speculative_disabled_reason
     max_verify: int | None = None  # longest verify batch it can roll back; None = any
     extra_bytes: int = 0  # memory the mechanism costs beyond a plain context
 
@@ -122,7 +123,6 @@ class NoRollback(TargetMemory):
 
     name = "none"
     can_rollback = False
-    reason: str | None = None  # why, for Session.speculative_disabled_reason
 
     def truncate(self, n: int) -> int:
         self.target.remove(0, 0)

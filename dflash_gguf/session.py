@@ -65,6 +65,18 @@ def _rs_seq(drafter: str | os.PathLike[str] | None, n_batch: int) -> int:
         return 0
 
 
+def _no_speculation_reason(target: Target, memory: TargetMemory) -> str | None:
+    """Why no draft can ever be verified on this target, or None: speculation needs a rollback mechanism and
+    room for a verify batch of two tokens (the last committed one and a draft) after a one-token prefix."""
+    if not memory.can_rollback:
+        return memory.reason or f"{target.architecture} keeps recurrent state that this runtime cannot roll back"
+    if target.n_batch < 2:
+        return f"n_batch={target.n_batch}: a verify batch needs at least 2 tokens"
+    if target.n_ctx_seq < 3:
+        return f"n_ctx={target.n_ctx_seq}: no room for a verify batch"
+    return None
+
+
 def _default_drafter() -> Path | None:
     """The drafter shipped for the embedded target, once the package carries one."""
     find = getattr(defaults, "embedded_drafter", None)
@@ -181,20 +193,19 @@ class Session:
         self._sources: list[DraftSource] = []
         self._lookup: LookupSource | None = None
         self._lookup_costs: CostModel | None = None
-        if self.memory.can_rollback and (lookup if lookup is not None else drafter is None):
+        unusable = _no_speculation_reason(target, self.memory)
+        if unusable is not None:
+            self.speculative_disabled_reason = unusable
+            if drafter is not None:
+                warnings.warn(f"{unusable}: speculative decoding is off, every generation decodes plainly", stacklevel=3)
+                self._warned_plain = True  # said once, here
+            if isinstance(drafter, Drafter):
+                drafter.close()
+            return
+        if lookup if lookup is not None else drafter is None:
             self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
             self._sources.append(self._lookup)
         if drafter is None:
-            return
-        if not self.memory.can_rollback:
-            self.speculative_disabled_reason = self.memory.reason or (
-                f"{target.architecture} keeps recurrent state that this runtime cannot roll back"
-            )
-            warnings.warn(f"{self.speculative_disabled_reason}: speculative decoding is off, every generation decodes plainly",
-                          stacklevel=3)
-            if isinstance(drafter, Drafter):
-                drafter.close()
-            self._sources = []
             return
         self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
         self._sources.append(NativeDrafterSource(self.drafter))
@@ -212,9 +223,10 @@ class Session:
         stop: str | Sequence[str] | None = None,
         speculative: bool = True,
         block_size: int | None = None,
+        confidence_threshold: float | None = None,
     ) -> Iterator[Step]:
         """One Step per decode cycle for a raw prompt (no chat template); the last Step has finish_reason."""
-        config = _config(max_tokens, temperature, top_p, top_k, seed, stop, speculative, block_size)
+        config = _config(max_tokens, temperature, top_p, top_k, seed, stop, speculative, block_size, confidence_threshold)
         tokens = self.tokenize(prompt, add_special=True)
         return self._steps(tokens, config)
 
@@ -235,14 +247,22 @@ class Session:
         return self._steps(self.tokenize(prompt, add_special=False), config)
 
     def reset(self) -> None:
-        """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that)."""
-        with self._native:
-            self._check_open()
-            self._forget()
+        """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
+
+        Like a generation, it waits for one running on another thread (or raises SessionBusyError, wait=False).
+        """
+        self._check_open()
+        self._enter_generation()
+        try:
+            with self._native:
+                self._check_open()
+                self._forget()
+        finally:
+            self._leave_generation()
 
     def _forget(self) -> None:
         self._cache.invalidate()
-        self.target.remove(0, 0)
+        self.memory.truncate(0)
         for s in self._sources:
             s.truncate(0)
 
@@ -280,8 +300,7 @@ class Session:
                 speculative_disabled_reason=self.speculative_disabled_reason,
             )
         finally:
-            self._generation_thread = None
-            self._generation.release()
+            self._leave_generation()
 
     def _enter_generation(self) -> None:
         if self._generation_thread == threading.get_ident():
@@ -289,6 +308,10 @@ class Session:
         if not self._generation.acquire(blocking=self._wait):
             raise SessionBusyError("another generation is running on this Session (wait=False)")
         self._generation_thread = threading.get_ident()
+
+    def _leave_generation(self) -> None:
+        self._generation_thread = None
+        self._generation.release()
 
     def _start(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
         """The decode_steps generator for one generation, with its policy."""
@@ -308,11 +331,13 @@ class Session:
 
     def _policy(self, config: GenerationConfig) -> Policy:
         """Fixed blocks; else the drafter's controller, with lookup competing where the Session has it."""
-        if config.block_size is not None:
-            return FixedPolicy(config.block_size)
+        threshold = config.confidence_threshold
         native = self._sources[-1] if self.drafter is not None else None
+        if config.block_size is not None:
+            drafts = {native.name: native.drafts_in_block(config.block_size)} if native is not None else None
+            return FixedPolicy(config.block_size, drafts=drafts, confidence_threshold=threshold)
         if self._lookup is None:
-            return AdaptivePolicy(native.name, self._controller())
+            return AdaptivePolicy(native.name, self._controller(), confidence_threshold=threshold)
         if native is None:
             return LookupPolicy(self._lookup, self._lookup_verify_costs())
         controller = self._controller()
@@ -320,7 +345,7 @@ class Session:
             controller.costs = extend_verify_costs(
                 controller.costs, self.target, memory=self.memory, max_tokens=self._lookup.max_draft + 1
             )
-        return LookupPolicy(self._lookup, native=native.name, controller=controller)
+        return LookupPolicy(self._lookup, native=native.name, controller=controller, confidence_threshold=threshold)
 
     def _lookup_verify_costs(self) -> CostModel:
         """Verify costs up to lookup's longest draft, measured once (on an empty context if need be)."""
@@ -337,7 +362,8 @@ class Session:
         if self._block_controller is None:
             drafter = self.drafter
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
-            block = min(drafter.block_size, room, self.target.n_batch)
+            # the verify batch: the last token and the drafts, after a one-token prefix at most
+            block = min(drafter.max_draft + 1, room - 1, self.target.n_batch)
             if self.target.pos_max(0) + 1 + block > room or not self.memory.name == "kv":
                 self._forget()  # calibrate on an empty context rather than refuse a valid call
             costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
@@ -346,7 +372,7 @@ class Session:
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)
-        if not all_steps:
+        if not all_steps or all_steps[-1].finish_reason is None:  # the stream ended early: close() cut it
             raise SessionClosedError("the Session was closed during the generation")
         return Result(
             text="".join(s.text for s in all_steps),
@@ -411,11 +437,13 @@ class Session:
         stream: bool = False,
         speculative: bool = True,
         block_size: int | None = None,
+        confidence_threshold: float | None = None,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt."""
         tokens = self.tokenize(prompt, add_special=True)
         config = _config(
-            self._max_tokens(max_tokens, len(tokens)), temperature, top_p, top_k, seed, stop, speculative, block_size
+            self._max_tokens(max_tokens, len(tokens)), temperature, top_p, top_k, seed, stop, speculative, block_size,
+            confidence_threshold,
         )
         return self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
 
@@ -432,13 +460,14 @@ class Session:
         stream: bool = False,
         speculative: bool = True,
         block_size: int | None = None,
+        confidence_threshold: float | None = None,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF."""
         prompt, stops = self.render_chat(messages)
         tokens = self.tokenize(prompt, add_special=False)
         config = _config(
             self._max_tokens(max_tokens, len(tokens)),
-            temperature, top_p, top_k, seed, _stops(stop) + tuple(stops), speculative, block_size,
+            temperature, top_p, top_k, seed, _stops(stop) + tuple(stops), speculative, block_size, confidence_threshold,
         )
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
@@ -499,7 +528,9 @@ class Session:
         self.close()
 
 
-_GEN_ARGS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculative", "block_size"})
+_GEN_ARGS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculative", "block_size", "confidence_threshold",
+})
 
 
 def _gen_args(gen: Mapping[str, Any]) -> dict[str, Any]:
@@ -530,6 +561,7 @@ def _config(
     stop: str | Sequence[str] | None = None,
     speculative: bool = True,
     block_size: int | None = None,
+    confidence_threshold: float | None = None,
 ) -> GenerationConfig:
     return GenerationConfig(
         max_tokens=max_tokens,
@@ -537,4 +569,5 @@ def _config(
         stop=_stops(stop),
         speculative=speculative,
         block_size=block_size,
+        confidence_threshold=confidence_threshold,
     )

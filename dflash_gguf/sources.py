@@ -21,7 +21,7 @@ from .steps import TokenSource
 class Candidate:
     """Drafted tokens for block slots 1..n and how they were drawn.
 
-    q: None for greedy (or point-mass) drafts; dense (n, V), or sparse (n, k) over q_ids (n, k).
+    q: None for greedy or point-mass drafts; dense (n, V), or sparse (n, k) over q_ids (n, k).
     point_mass: the tokens were chosen deterministically (lookup): with sampling, each is accepted
     with the target's own probability of it. confidences: predicted P(accepted) per slot, if known.
     """
@@ -35,6 +35,14 @@ class Candidate:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def proposal(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(q, q_ids) that rejection sampling needs: a point mass is q = 1 on each drafted token."""
+        if self.point_mass:
+            return np.ones((len(self), 1)), self.tokens.reshape(-1, 1)
+        if self.q is None:
+            raise ValueError(f"draft source {self.source!r} sampled without saying from which distribution (q)")
+        return self.q, self.q_ids
 
     def head(self, n: int) -> "Candidate":
         """The first n slots (a confidence cut)."""
@@ -112,6 +120,10 @@ class NativeDrafterSource(DraftSource):
 
     def available(self, last: int, n_past: int) -> int:
         return self.max_draft
+
+    def drafts_in_block(self, block_size: int) -> int:
+        """Drafts a block of block_size holds: all of it for anchor-first DSpark, else all but the last token's slot."""
+        return block_size if self.drafter.sample_from_anchor else block_size - 1
 
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator

@@ -58,3 +58,11 @@ def hybrid_models(tmp_path_factory, embedded_target):
     from hybrid_fixtures import HybridModels
 
     return HybridModels(tmp_path_factory.mktemp("hybrid"), embedded_target)
+
+
+@pytest.fixture(scope="session")
+def dspark(tmp_path_factory, embedded_target):
+    """DSpark checkpoints and GGUFs per variant of test_dspark.VARIANTS, built on first use: `dspark("anchor")`."""
+    from test_dspark import Built
+
+    return Built(tmp_path_factory.mktemp("dspark"), embedded_target)

@@ -219,3 +219,56 @@ def test_calibration_tables_are_non_decreasing() -> None:
 
     # a stalled 1-token sample (2 s) cannot make plain decoding look slower than a 16-token batch
     assert _non_decreasing({1: 2.0, 2: 0.015, 4: 0.03, 16: 0.02}) == {1: 0.015, 2: 0.015, 4: 0.02, 16: 0.02}
+
+
+# -- lookup next to the drafter (LookupPolicy) ------------------------------------------------------
+
+
+def _lookup_with_a_match(accepted_fraction: float):
+    """A LookupSource whose index holds a repeat (so the last token has a long match) and which has learnt
+    that `accepted_fraction` of its drafts pass at that match length."""
+    from dflash_gguf.lookup import LookupSource
+    from dflash_gguf.sources import Commit
+
+    source = LookupSource(max_draft=8)
+    seq = list(range(100, 140))
+    source.observe(Commit(0, seq + seq[:20]))  # the last token, seq[20], follows seq[:20] as it did before
+    last, n_past = seq[20], 60
+    for _ in range(40):
+        m = source.match(last, n_past)
+        source.stats.observe(m.length, 8, round(8 * accepted_fraction))
+    return source, last, n_past
+
+
+FLAT = {1: 0.010, 2: 0.0101, 4: 0.0102, 8: 0.0104, 16: 0.0108}  # a GPU-like verify cost curve
+MID = {1: 0.010, 2: 0.0125, 4: 0.016, 8: 0.024, 16: 0.0425}  # Q8_0 at two threads here: t(16) = 4.25 steps
+STEEP = {1: 0.010, 2: 0.020, 4: 0.040, 8: 0.080, 16: 0.160}  # n tokens cost n steps
+
+
+def test_lookup_policy_drafts_where_the_match_pays_for_its_verify() -> None:
+    from dflash_gguf.controller import LookupPolicy
+
+    source, last, n_past = _lookup_with_a_match(1.0)
+    offers = {"lookup": source.available(last, n_past)}
+    choice = LookupPolicy(source, CostModel(MID, {1: 1e-5})).choose(offers)
+    assert choice.source == "lookup" and choice.n_draft == 8
+    assert LookupPolicy(source, CostModel(STEEP, {1: 1e-5})).choose(offers).n_draft == 0  # never pays there
+    unreliable, last, n_past = _lookup_with_a_match(0.0)
+    offers = {"lookup": unreliable.available(last, n_past)}
+    assert LookupPolicy(unreliable, CostModel(MID, {1: 1e-5})).choose(offers).n_draft == 0
+    assert LookupPolicy(unreliable, CostModel(FLAT, {1: 1e-5})).choose(offers).n_draft > 0  # on a GPU a draft is free
+
+
+def test_lookup_policy_leaves_the_cycle_to_a_better_drafter() -> None:
+    from dflash_gguf.controller import LookupPolicy
+
+    source, last, n_past = _lookup_with_a_match(0.5)
+    model = CostModel(FLAT, {2: 0.001, 16: 0.002})
+    drafter = BlockController(15, model)
+    for _ in range(60):
+        drafter.observe(15, 15)  # the drafter's blocks always pass
+    policy = LookupPolicy(source, native="dflash", controller=drafter)
+    choice = policy.choose({"lookup": source.available(last, n_past), "dflash": 15})
+    assert choice.source == "dflash" and choice.n_draft == 15
+    # without the drafter on offer, the same lookup draft is worth verifying
+    assert policy.choose({"lookup": source.available(last, n_past)}).source == "lookup"

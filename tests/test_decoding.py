@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import codecs
+
 import pytest
 
 from dflash_gguf.decoding import GenerationConfig, TextStream
+from dflash_gguf.steps import TokenSource
 from dflash_gguf.target import Target
+
+SOURCES = (TokenSource.PLAIN, TokenSource.DRAFT, TokenSource.BONUS)
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +22,15 @@ def target(embedded_target):
 def feed_all(stream: TextStream, tokens: list[int]) -> tuple[list[str], bool]:
     pieces, stopped = [], False
     for tok in tokens:
-        piece, stopped = stream.feed(tok)
-        pieces.append(piece)
+        released, stopped = stream.feed(tok, TokenSource.PLAIN)
+        pieces.append("".join(t for t, _ in released))
         if stopped:
             break
     return pieces, stopped
+
+
+def flushed(stream: TextStream) -> str:
+    return "".join(t for t, _ in stream.flush(TokenSource.PLAIN))
 
 
 def test_multibyte_characters_split_across_tokens_come_out_whole(target):
@@ -31,7 +40,7 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(target):
     stream = TextStream(target, ())
     pieces, _ = feed_all(stream, tokens)
     assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) + stream.flush() == text
+    assert "".join(pieces) + flushed(stream) == text
 
 
 def test_stop_string_ends_the_text_before_it(target):
@@ -49,7 +58,29 @@ def test_text_that_may_begin_a_stop_string_waits_for_the_next_token(target):
     i = next(i for i, t in enumerate(tokens) if target.token_bytes(t) == b" beta")
     assert pieces[i] == ""  # " beta" could start " beta!" so it is held back ...
     assert pieces[i + 1] == " beta gamma"  # ... and released once " gamma" rules that out
-    assert "".join(pieces) + stream.flush() == "alpha beta gamma"
+    assert "".join(pieces) + flushed(stream) == "alpha beta gamma"
+
+
+def test_every_character_keeps_the_source_of_the_token_that_produced_it(target):
+    """Held-back text (a possible stop string, a character split across tokens) comes out later, but with
+    its own token's source, not the source of the token that released it."""
+    text = "naïve 😀 café — ok"
+    tokens = target.tokenize(text, add_special=False)
+    sources = [SOURCES[i % 3] for i in range(len(tokens))]
+    want: list[tuple[str, TokenSource]] = []  # each character with the source of the token completing its bytes
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    for tok, src in zip(tokens, sources):
+        want += [(c, src) for c in decoder.decode(target.token_bytes(tok))]
+    assert any(not target.token_bytes(t).decode("utf-8", errors="ignore").strip() for t in tokens)  # a split emoji
+    stream = TextStream(target, ("café!",))  # "caf" may begin the stop string: held back, then released
+    shown: list[tuple[str, TokenSource]] = []
+    for tok, src in zip(tokens, sources):
+        released, stopped = stream.feed(tok, src)
+        assert not stopped
+        shown += [(c, s) for piece, s in released for c in piece]
+    shown += [(c, s) for piece, s in stream.flush(TokenSource.PLAIN) for c in piece]
+    assert "".join(c for c, _ in shown) == text
+    assert shown == want
 
 
 @pytest.mark.parametrize(
@@ -60,6 +91,7 @@ def test_text_that_may_begin_a_stop_string_waits_for_the_next_token(target):
         (dict(stop=("",)), "stop"),
         (dict(block_size=0), "block_size"),
         (dict(block_size=2.5), "block_size"),
+        (dict(confidence_threshold=1.5), "threshold"),
     ],
 )
 def test_generation_config_validates(kwargs, message):

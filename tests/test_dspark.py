@@ -52,11 +52,6 @@ class Built:
         return self._done[name]
 
 
-@pytest.fixture(scope="session")
-def dspark(tmp_path_factory, embedded_target) -> Built:
-    return Built(tmp_path_factory.mktemp("dspark"), embedded_target)
-
-
 @pytest.fixture(scope="module")
 def target(embedded_target):
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as t:
@@ -225,7 +220,11 @@ def test_sampled_session_follows_the_target_distribution(dspark, embedded_target
     _, out = dspark("anchor")
     params = SamplingParams(temperature=1.0)
     with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2) as s:
-        pairs = [s.generate(PROMPT, max_tokens=2, temperature=1.0, seed=seed, block_size=2).tokens for seed in range(240)]
+        # the first token comes from the prefill, the second from a cycle that drafts one token (max_tokens
+        # leaves room for one draft) and accepts or resamples it against the drafter's q
+        runs = [s.generate(PROMPT, max_tokens=3, temperature=1.0, seed=seed, block_size=2) for seed in range(240)]
+    assert sum(r.stats.n_drafted for r in runs) >= 240
+    pairs = [r.tokens for r in runs]
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as ref:
         prompt = ref.tokenize(PROMPT)
         first = [p[0] for p in pairs]

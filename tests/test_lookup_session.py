@@ -10,7 +10,6 @@ import pytest
 
 from dflash_gguf import SamplingParams, Session, Target
 from dflash_gguf.defaults import embedded_drafter
-from dflash_gguf.lookup import use_lookup
 from dflash_gguf.steps import TokenSource
 from test_session_sampling import ALPHA, chi_square_p_value, next_token_probs
 
@@ -37,8 +36,8 @@ def plain_outputs(embedded_target):
 
 @pytest.mark.parametrize("dflash", [False, True], ids=["lookup", "lookup+dflash"])
 def test_greedy_output_is_plain_decoding(embedded_target, plain_outputs, dflash):
-    with Session(embedded_target, embedded_drafter() if dflash else None, n_ctx=1024, n_threads=1) as s:
-        use_lookup(s, dflash=dflash)
+    # without a drafter the Session speculates with lookup alone; lookup=True puts it next to the drafter
+    with Session(embedded_target, embedded_drafter() if dflash else None, n_ctx=1024, n_threads=1, lookup=True) as s:
         copy = _chat(s, COPY)
         assert copy.tokens == plain_outputs[COPY]
         lookup = copy.stats.per_source.get("lookup")
@@ -49,8 +48,6 @@ def test_greedy_output_is_plain_decoding(embedded_target, plain_outputs, dflash)
 
 def test_steps_mark_lookup_tokens(embedded_target):
     with Session(embedded_target, n_ctx=1024, n_threads=1) as s:
-        use_lookup(s, dflash=False)
-        s.reset()
         steps = list(s.stream_chat([{"role": "user", "content": COPY}], max_tokens=N))
     drafted = [st for st in steps if st.source == "lookup"]
     assert drafted and all(
@@ -65,6 +62,17 @@ def test_a_session_without_drafter_speculates(embedded_target):
     assert r.stats.n_drafted > 0
 
 
+def test_a_wrapped_llama_without_drafter_speculates(embedded_target):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(embedded_target), n_ctx=1024, n_threads=1, flash_attn=True, verbose=False)
+    with Session.from_llama(llm) as s:
+        r = _chat(s, COPY)
+        assert r.stats.per_source["lookup"].n_accepted > 0
+        assert r.tokens == _chat(s, COPY, speculative=False).tokens
+    llm.close()
+
+
 PROMPT = "The capital of France is Paris. The capital of France is"
 
 
@@ -73,7 +81,6 @@ def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
     params = SamplingParams(temperature=1.0)
     with Session(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as s, \
             Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as reference:
-        use_lookup(s, dflash=False)
         runs = [s.generate(PROMPT, max_tokens=3, temperature=1.0, seed=seed, block_size=2) for seed in range(160)]
         prompt = reference.tokenize(PROMPT)
         paris = reference.tokenize(" Paris", add_special=False)[0]

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from dflash_gguf import Session
+from dflash_gguf import SamplingParams, Session
 from dflash_gguf.controller import FixedPolicy
 from dflash_gguf.decoding import CacheState, GenerationConfig, decode_steps
 from dflash_gguf.memory import KVTruncation
@@ -77,13 +77,14 @@ def target(embedded_target):
         yield t
 
 
-def run(target: Target, prompt: list[int], source: DraftSource | None, memory=None, block: int = 5):
+def run(target: Target, prompt: list[int], source: DraftSource | None, memory=None, block: int = 5,
+        sampling: SamplingParams | None = None):
     cache = CacheState()
     memory = memory or KVTruncation(target)
+    config = GenerationConfig(max_tokens=N_TOKENS, sampling=sampling or SamplingParams())
     steps = list(
         decode_steps(
-            target, prompt, GenerationConfig(max_tokens=N_TOKENS), cache,
-            memory=memory, sources=[source] if source else [], policy=FixedPolicy(block),
+            target, prompt, config, cache, memory=memory, sources=[source] if source else [], policy=FixedPolicy(block),
         )
     )
     return steps, cache
@@ -113,6 +114,21 @@ def test_a_scripted_source_runs_through_the_real_loop_losslessly(target):
     assert [k for _, _, k in memory.kept] == [s.n_accepted + 1 for s in steps[1:]]
     # the source saw every committed token, in order, and the cache holds the same
     assert source.seen == cache.tokens == prompt + want[:-1]
+
+
+def test_a_point_mass_source_samples_through_the_real_loop(target):
+    """A deterministic proposal carries no q: with sampling, the loop accepts each drafted token with the
+    target's probability of it (tested for its law in test_session_sampling with lookup drafts)."""
+    prompt = target.tokenize(PROMPT)
+    plain, _ = run(target, prompt, None)
+    want = [t for s in plain for t in s.tokens]
+    script = {len(prompt) + i: tok for i, tok in enumerate(want)}
+    params = SamplingParams(temperature=0.7, seed=3)
+    steps, _ = run(target, prompt, ScriptSource(script), sampling=params)
+    again, _ = run(target, prompt, ScriptSource(script), sampling=params)
+    assert [t for s in steps for t in s.tokens] == [t for s in again for t in s.tokens]  # seeded: reproducible
+    drafted = [s for s in steps if s.kind is StepKind.DRAFT]
+    assert drafted and sum(s.n_accepted for s in drafted) > 0
 
 
 def test_stats_are_one_view_of_the_steps(target):
@@ -219,6 +235,52 @@ def test_wait_false_refuses_a_second_generation(dflash_gguf_path):
             s.generate(PROMPT, max_tokens=2)  # the same thread, inside its own stream
         stream.close()
         assert s.generate(PROMPT, max_tokens=2).tokens  # free again once the stream is closed
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_reset_from_another_thread_respects_the_running_generation(dflash_gguf_path, wait):
+    """reset() clears the caches a running generation uses: it waits for that generation like another
+    generation would (or refuses at once with wait=False), and the stream ends unharmed."""
+    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1, wait=wait) as s:
+        want = s.generate(PROMPT, max_tokens=12, block_size=4).tokens
+        s.reset()
+        stream = s.stream(PROMPT, max_tokens=12, block_size=4)
+        got = list(next(stream).tokens)
+        errors: list[BaseException] = []
+
+        def reset() -> None:
+            try:
+                s.reset()
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        t = threading.Thread(target=reset)
+        t.start()
+        t.join(timeout=1.0)
+        if wait:
+            assert t.is_alive() and not errors  # waiting for the stream
+        else:
+            assert not t.is_alive() and isinstance(errors[0], SessionBusyError)
+        got += [tok for step in stream for tok in step.tokens]
+        t.join(timeout=30)
+        assert not t.is_alive() and got == want
+        if wait:
+            assert not errors and s.memory.target.pos_max(0) == -1  # the reset ran once the stream ended
+
+
+def test_a_generation_cut_short_by_close_raises(dflash_gguf_path):
+    """generate() whose Session is closed from another thread mid-way raises instead of returning a
+    truncated text that looks finished."""
+    s = Session(drafter=dflash_gguf_path, n_ctx=512, n_batch=64, n_threads=1)
+    outcome: list[object] = []
+    t = threading.Thread(target=lambda: outcome.append(pytest.raises(SessionClosedError, s.generate, PROMPT,
+                                                                     max_tokens=400, speculative=False)))
+    t.start()
+    while s._generation_thread is None and t.is_alive():
+        threading.Event().wait(0.01)
+    s.close()
+    t.join(timeout=60)
+    assert not t.is_alive() and len(outcome) == 1
 
 
 def test_fork_shares_weights_and_keeps_its_own_caches(session):
