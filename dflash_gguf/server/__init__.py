@@ -4,7 +4,8 @@ Rooms: `config` (the settings), `schemas` (request models, built on llama_cpp.se
 error shape), `auth` and `limits` (ASGI guards), `slots` (the slot pool and its FIFO queue), `worker`
 (a generation in a thread, Steps handed to the event loop), `engine` (a request to a running generation:
 tokens, context check, queue, disconnect watch), `timings` (per-response figures from the stats model),
-`metrics` (Prometheus text), `sse` (streams that end cleanly on shutdown), `openai_routes`,
+`metrics` (Prometheus text), `sse` (streams that end cleanly on shutdown), `serving` (the uvicorn server
+that refuses work with 503 as soon as it begins to stop), `openai_routes`,
 `anthropic_routes`, `app` and `cli`.
 """
 
