@@ -302,39 +302,3 @@ class LookupSource(DraftSource):
         self._proposed = None
         self._match = None
         self.index.extend(commit.tokens)
-
-
-def use_lookup(session, *, dflash: bool = True, max_draft: int = DEFAULT_MAX_DRAFT) -> LookupSource:
-    """Give an open Session a lookup source (first) next to its drafter, under one LookupPolicy.
-
-    A stop-gap until Session builds its sources itself (see the issue-13 note): it sets the Session's
-    source list and policy factory. dflash=False drops the native drafter from the loop (lookup only).
-    The lookup source lives as long as the Session, so what it learnt carries over between generations.
-    """
-    from .controller import FixedPolicy, LookupPolicy, calibrate_verify, extend_verify_costs
-    from .sources import NativeDrafterSource
-
-    max_draft = min(max_draft, session.target.n_batch - 1)
-    lookup = LookupSource(max_draft=max_draft)
-    native = [s for s in session._sources if isinstance(s, NativeDrafterSource)] if dflash else []
-    session._sources = [lookup] + native
-    session._lookup_costs = None
-
-    def policy(config):
-        if config.block_size is not None:
-            return FixedPolicy(config.block_size)
-        if native:
-            controller = session._controller()
-            if not getattr(controller, "_lookup_extended", False):
-                controller.costs = extend_verify_costs(controller.costs, session.target, memory=session.memory,
-                                                       max_tokens=max_draft + 1)
-                controller._lookup_extended = True
-            return LookupPolicy(lookup, native=native[0].name, controller=controller)
-        if session._lookup_costs is None:
-            if session.target.pos_max(0) + 1 + max_draft + 1 > session.target.n_ctx_seq:
-                session._forget()
-            session._lookup_costs = calibrate_verify(session.target, memory=session.memory, max_tokens=max_draft + 1)
-        return LookupPolicy(lookup, session._lookup_costs)
-
-    session._policy = policy
-    return lookup
