@@ -196,13 +196,16 @@ def normalise_dspark(hparams: dict[str, Any], path: Path) -> tuple[dict[str, Any
     The keys read here were type- and range-checked by config_schema.check_dspark_layout.
     """
     nested = hparams.get("transformer_layer_config")
-    anchor = hparams.get("sample_from_anchor", nested is None and "aux_hidden_state_layer_ids" not in hparams)
+    anchor = hparams.get("sample_from_anchor")
+    if anchor is None:  # a JSON null is an absent key, as everywhere in the schema
+        anchor = nested is None and hparams.get("aux_hidden_state_layer_ids") is None
     hp = {**hparams, **(nested or {})}
-    if "aux_hidden_state_layer_ids" in hp:
-        hp.setdefault("dflash_config", {"mask_token_id": hp.get("mask_token_id"),
-                                        "target_layer_ids": [i - 1 for i in hp["aux_hidden_state_layer_ids"]]})
-    else:
-        hp.setdefault("dflash_config", {k: hp[k] for k in ("target_layer_ids", "mask_token_id") if k in hp})
+    if hp.get("dflash_config") is None:
+        aux = hp.get("aux_hidden_state_layer_ids")
+        if aux is not None:
+            hp["dflash_config"] = {"mask_token_id": hp.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]}
+        else:
+            hp["dflash_config"] = {k: hp[k] for k in ("target_layer_ids", "mask_token_id") if hp.get(k) is not None}
     return hp, anchor, draft_value(hp, "markov_rank")
 
 

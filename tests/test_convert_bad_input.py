@@ -534,3 +534,14 @@ def test_mask_embedding_without_torch_is_one_line(ckpt, out):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "mask_embedding.pt" in lines[0] and "needs torch" in lines[0], p.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("key", ["aux_hidden_state_layer_ids", "transformer_layer_config", "sample_from_anchor"])
+def test_dspark_keys_set_to_null_are_absent(dspark_ckpt, tmp_path, key):
+    """A JSON null is an absent key (the long fuzz run found `aux_hidden_state_layer_ids: null` raising a TypeError)."""
+    from dflash_gguf.convert.checkpoint import load_checkpoint
+
+    ckpt = Path(shutil.copytree(dspark_ckpt, tmp_path / "ckpt"))
+    edit_config(ckpt, **{key: None})
+    cfg = load_checkpoint(ckpt).config
+    assert cfg.sample_from_anchor is True and list(cfg.target_layer_ids) == [1, 8, 15, 22, 27]
