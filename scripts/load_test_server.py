@@ -3,8 +3,8 @@
 For each --parallel P it starts `dflash-serve` as a subprocess on a free loopback port, warms it up,
 then for each concurrency C sends --requests streamed chat completions (greedy, --max-tokens each)
 from C concurrent clients, and reports aggregate tokens/s, p50/p95 time to first token and latency,
-errors, and the server's RSS before and after. It also measures the server's own overhead: the
-same requests at concurrency 1 on one slot, non-streamed, against Session.chat in this process.
+errors, and the server's RSS before and after. It also measures the server's own overhead: the same
+requests at concurrency 1 on one slot, non-streamed, interleaved with Session.chat in this process.
 
     python scripts/load_test_server.py                       # 1,2,4,8 x 50 against --parallel 1 and 2
     python scripts/load_test_server.py --json out.json --concurrency 1,2 --requests 10
@@ -128,41 +128,74 @@ class Server:
         return self.proc.wait(60)
 
 
-def overhead(args: argparse.Namespace, extra_gen: dict) -> dict:
-    """Session.chat in-process vs the same requests through the server, one at a time, non-streamed."""
+def overhead(args: argparse.Namespace) -> dict:
+    """Session.chat in this process against the same request through a one-slot server, interleaved.
+
+    Each pair runs the same messages once each way, one after the other (the order alternates between
+    pairs), so both see the same machine load; both caches see the same sequence of prompts. The ratio
+    is the median of the per-pair ratios (server / Session.chat), HTTP round trip included.
+    """
     from dflash_gguf import Session
 
     n = args.overhead_requests
-    local: list[float] = []
-    with Session(args.target, args.drafter, n_threads=args.threads) as s:
-        s.chat(messages(0), max_tokens=args.max_tokens, temperature=0.0, **extra_gen)  # warm-up and calibration
-        for i in range(n):
-            t0 = time.perf_counter()
-            s.chat(messages(i), max_tokens=args.max_tokens, temperature=0.0, **extra_gen)
-            local.append(time.perf_counter() - t0)
     server = Server(1, args.server_args)
+    local: list[float] = []
     remote: list[float] = []
-    inside: list[float] = []  # the same request's own generation time, from its timings
+    inside: list[float] = []  # each server request's own generation time, from its timings
     try:
-        with httpx.Client(base_url=server.url, timeout=600) as c:
-            body = lambda i: {"messages": messages(i), "max_tokens": args.max_tokens, "temperature": 0}  # noqa: E731
-            c.post("/v1/chat/completions", json=body(0)).raise_for_status()
-            for i in range(n):
+        with Session(args.target, args.drafter, n_threads=args.threads, lookup=args.lookup) as s, \
+                httpx.Client(base_url=server.url, timeout=600) as c:
+            def in_process(i: int) -> float:
                 t0 = time.perf_counter()
-                r = c.post("/v1/chat/completions", json=body(i))
-                remote.append(time.perf_counter() - t0)
+                s.chat(messages(i), max_tokens=args.max_tokens, temperature=0.0)
+                return time.perf_counter() - t0
+
+            def through_server(i: int) -> float:
+                t0 = time.perf_counter()
+                r = c.post("/v1/chat/completions", json={"messages": messages(i), "max_tokens": args.max_tokens,
+                                                         "temperature": 0})
+                seconds = time.perf_counter() - t0
                 r.raise_for_status()
                 t = r.json()["timings"]
                 inside.append((t["prompt_ms"] + t["predicted_ms"]) / 1000)
+                return seconds
+
+            in_process(0)  # warm-up and calibration, both sides
+            through_server(0)
+            inside.clear()
+            for i in range(n):
+                if i % 2:
+                    remote.append(through_server(i))
+                    local.append(in_process(i))
+                else:
+                    local.append(in_process(i))
+                    remote.append(through_server(i))
     finally:
         server.stop()
-    lm, rm = statistics.median(local), statistics.median(remote)
-    per_request = [r / g for r, g in zip(remote, inside)]
-    return {"requests": n, "session_chat_median_ms": lm * 1000, "server_median_ms": rm * 1000,
-            "ratio": rm / lm, "overhead_ms": (rm - lm) * 1000,
+    pairs = [r / lo for r, lo in zip(remote, local)]
+    return {"requests": n, "order": "interleaved pairs, alternating which goes first",
+            "session_chat_median_ms": statistics.median(local) * 1000, "server_median_ms": statistics.median(remote) * 1000,
+            "ratio_median_of_pairs": statistics.median(pairs),
+            "ratio_p10_p90_of_pairs": [pct(pairs, 10), pct(pairs, 90)],
+            "overhead_ms_median_of_pairs": statistics.median(r - lo for r, lo in zip(remote, local)) * 1000,
             # load-independent: each request's HTTP latency over the generation time inside that same request
-            "in_request_ratio_median": statistics.median(per_request),
+            "in_request_ratio_median": statistics.median(r / g for r, g in zip(remote, inside)),
             "in_request_overhead_ms_median": statistics.median(r - g for r, g in zip(remote, inside)) * 1000}
+
+
+def write_json(path: Path | None, out: dict) -> None:
+    """The figures, written beside the destination and renamed into place."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(path)
+
+
+def commit() -> str | None:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent)
+    return r.stdout.strip() or None
 
 
 def main() -> int:
@@ -175,20 +208,24 @@ def main() -> int:
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--threads", type=int, help="CPU threads per slot (and for the in-process Session)")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="pass --lookup / --no-lookup to the server and lookup= to the in-process Session")
     p.add_argument("--overhead-only", action="store_true", help="measure only the overhead against Session.chat")
     p.add_argument("--json", type=Path, help="also write the figures here")
     a = p.parse_args()
     a.server_args = (["--target", a.target] if a.target else []) + (["--drafter", a.drafter] if a.drafter else []) \
-        + (["--threads", str(a.threads)] if a.threads else [])
-    out = {"max_tokens": a.max_tokens, "threads": a.threads, "cpu_count": os.cpu_count(), "load_before": os.getloadavg()[0], "runs": []}
-    out["overhead"] = overhead(a, {})
-    print(f"overhead: Session.chat {out['overhead']['session_chat_median_ms']:.1f} ms, server "
-          f"{out['overhead']['server_median_ms']:.1f} ms, ratio {out['overhead']['ratio']:.3f}; in-request ratio "
-          f"{out['overhead']['in_request_ratio_median']:.3f} ({out['overhead']['in_request_overhead_ms_median']:.1f} ms)",
-          flush=True)
+        + (["--threads", str(a.threads)] if a.threads else []) \
+        + ([] if a.lookup is None else ["--lookup" if a.lookup else "--no-lookup"])
+    out = {"commit": commit(), "max_tokens": a.max_tokens, "threads": a.threads, "cpu_count": os.cpu_count(),
+           "load_before": os.getloadavg(), "runs": []}
+    o = out["overhead"] = overhead(a)
+    print(f"overhead ({o['requests']} interleaved pairs): Session.chat {o['session_chat_median_ms']:.1f} ms, server "
+          f"{o['server_median_ms']:.1f} ms, ratio {o['ratio_median_of_pairs']:.3f} (p10-p90 "
+          f"{o['ratio_p10_p90_of_pairs'][0]:.3f}-{o['ratio_p10_p90_of_pairs'][1]:.3f}), "
+          f"{o['overhead_ms_median_of_pairs']:.1f} ms; in-request ratio {o['in_request_ratio_median']:.3f} "
+          f"({o['in_request_overhead_ms_median']:.1f} ms)", flush=True)
     if a.overhead_only:
-        if a.json:
-            a.json.write_text(json.dumps(out, indent=2))
+        write_json(a.json, out)
         return 0
     for parallel in map(int, a.parallel.split(",")):
         server = Server(parallel, a.server_args)
@@ -209,15 +246,14 @@ def main() -> int:
         out["runs"].append({"parallel": parallel, "rss_before_mib": before, "rss_after_mib": after, "exit_status": rc,
                             "levels": levels})
         print(f"parallel {parallel}: RSS {before:.1f} -> {after:.1f} MiB, exit status {rc}", flush=True)
-    out["load_after"] = os.getloadavg()[0]
+    out["load_after"] = os.getloadavg()
     print("\n| parallel | concurrency | tok/s | TTFT p50 | TTFT p95 | latency p50 | latency p95 | errors |")
     print("|---|---|---|---|---|---|---|---|")
     for run in out["runs"]:
         for lv in run["levels"]:
             print(f"| {run['parallel']} | {lv['concurrency']} | {lv['tokens_per_s']:.1f} | {lv['ttft_p50_ms']:.0f} ms | "
                   f"{lv['ttft_p95_ms']:.0f} ms | {lv['latency_p50_ms']:.0f} ms | {lv['latency_p95_ms']:.0f} ms | {lv['errors']} |")
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
+    write_json(a.json, out)
     return 0 if all(lv["errors"] == 0 for run in out["runs"] for lv in run["levels"]) else 1
 
 
