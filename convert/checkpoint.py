@@ -6,7 +6,6 @@ opened: the config, the architecture, the set of tensors and every tensor's shap
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any

@@ -1,7 +1,8 @@
 """Writing a validated checkpoint as a `dflash` GGUF, streamed tensor by tensor and atomically.
 
-Metadata follows upstream's `conversion/qwen.py` DFlashModel key for key, so that
-llama.cpp's `src/models/dflash.cpp` and `llama-server --spec-type draft-dflash` read it.
+Metadata follows upstream's `conversion/qwen.py` DFlashModel / DSparkModel key for key (proven by
+tests/test_convert_conformance.py), so that llama.cpp's `src/models/dflash.cpp` and
+`llama-server --spec-type draft-dflash` read it.
 """
 
 from __future__ import annotations
