@@ -141,6 +141,12 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     assert "is Q4_1: ggml has no repacked CPU kernels" in data["settings"]["advice"]
     assert data["machine"]["llama_cpp_python"] == "0.3.36"
     assert data["memory"]["peak_rss_final_mib"] > 50 and "ru_maxrss" in data["memory"]["memory_note"]
+    assert data["memory"]["target_memory"] == "kv" and data["memory"]["n_rs_seq"] == 0
+    assert data["settings"]["drafter_kind"] == "dflash" and data["settings"]["confidence_head"] is False
+    for p in data["prompts"]:  # the speedup is stats.speedup of the interleaved runs' loop rates
+        loop = {m: sorted(r["loop_tokens_per_s"] for r in p["runs"] if r["mode"] == m) for m in ("plain", "dflash")}
+        assert p["speedup"] == pytest.approx(loop["dflash"][0] / loop["plain"][0])
+        assert p["dflash"]["per_source"].keys() <= {"dflash"}
     peers = {p["name"]: p for p in data["peers"]}
     llama = peers["llama-cpp-python Llama (plain)"]
     assert llama["available"] and llama["overall"]["decode_tokens_per_s"] > 0
@@ -167,18 +173,26 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_pa
     assert sorted(f.name for f in out.iterdir()) == ["tiny.json", "tiny.md", "tiny.png"]  # no temp files left
 
 
-def test_acceptance_by_position_counts_slots_never_reached() -> None:
+def test_mode_summary_is_a_view_of_the_stats_model() -> None:
+    """τ, the drafting-cycle histogram and acceptance by position come from one StatsBuilder over the runs' Steps."""
     from dflash_gguf.bench.results import Generation, mode_summary
+    from dflash_gguf.steps import Step, StepKind
 
-    rejected = Generation("dflash", 0, [1, 2], 0.0, 0.0, 0.1, cycles=1, n_drafted=2, acceptance_histogram=[1],
-                          position_drafted=[1, 1], position_accepted=[])
-    passed = Generation("dflash", 1, [1, 2, 3, 4], 0.0, 0.0, 0.1, cycles=1, n_drafted=2, n_accepted=2,
-                        acceptance_histogram=[0, 0, 1], position_drafted=[1, 1], position_accepted=[1, 1])
+    def cycle(kind, drafted, accepted):
+        return Step(kind=kind, tokens=[7] * (accepted + 1), text="", source="dflash" if drafted else None,
+                    n_drafted=drafted, n_accepted=accepted, block_size=drafted + 1, cycle_s=0.01, verify_s=0.005)
+
+    prefill = Step(kind=StepKind.PREFILL, tokens=[1], text="", verify_s=0.02)
+    rejected = Generation("dflash", 0, [1, 7], 0.0, 0.0, 0.1, steps=[prefill, cycle(StepKind.DRAFT, 2, 0)])
+    passed = Generation("dflash", 1, [1, 7, 7, 7, 7], 0.0, 0.0, 0.1,
+                        steps=[prefill, cycle(StepKind.DRAFT, 2, 2), cycle(StepKind.PLAIN, 0, 0)])
     summary = mode_summary([rejected, passed])
-    assert summary["acceptance_by_position"] == [0.5, 0.5]
-    assert summary["acceptance_histogram"] == [1, 0, 1]
-    assert summary["acceptance_rate"] == 0.5 and summary["tau"] == 2.0
+    assert summary["acceptance_by_position"] == [0.5, 0.5]  # slot 2 was drafted twice and never reached once
+    assert summary["acceptance_histogram"] == [1, 0, 1]  # drafting cycles only: the plain cycle is not a rejection
+    assert summary["acceptance_rate"] == 0.5 and summary["tau"] == 5 / 3  # (1 + 3 + 1) tokens over 3 cycles
+    assert summary["plain_cycle_share"] == 1 / 3 and summary["per_source"]["dflash"]["n_accepted"] == 2
     assert mode_summary([rejected])["acceptance_by_position"] == [0.0, 0.0]
+    assert (rejected.tau, passed.tau, passed.cycles) == (1.0, 2.0, 2)
 
 
 def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target, reference_checkpoint) -> None:
@@ -228,3 +242,69 @@ def test_lookup_modes_run_interleaved_and_match_plain(tmp_path, capsys) -> None:
     assert modes["lookup"]["outputs_identical"] == 1 and modes["both"]["outputs_identical"] == 1
     assert modes["lookup"]["lookup_accepted"] > 0 and modes["lookup"]["draft_accepted"] == 0
     assert "lookup median" in stdout and "| copy-heavy | 1 |" in stdout
+
+
+def _one_prompt(tmp_path: Path, text: str = "Say something about the sea.") -> Path:
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "sea", "category": "chat", "prompt": text}) + "\n", encoding="utf-8")
+    return prompts
+
+
+@pytest.mark.parametrize("arch, mechanism", [("qwen35", "rs-snapshot"), ("qwen3next", "checkpoint")])
+def test_bench_on_a_hybrid_target_reports_its_memory(hybrid_models, arch, mechanism, tmp_path, capsys) -> None:
+    out = tmp_path / "results"
+    rc, stdout, err = run_cli(
+        ["--prompts", str(_one_prompt(tmp_path)), "--target", str(hybrid_models.target(arch)),
+         "--drafter", str(hybrid_models.drafter(arch)), "--max-tokens", "8", "--repeats", "1", "--no-warmup",
+         "--threads", "1", "--block-size", "4", "--out", str(out), "--name", "hybrid"],
+        capsys,
+    )
+    assert rc == 0, err
+    data = json.loads((out / "hybrid.json").read_text())
+    memory = data["memory"]
+    assert memory["target_memory"] == mechanism and memory["recurrent_state_bytes"] > 0
+    assert (memory["n_rs_seq"] > 0) == (mechanism == "rs-snapshot")
+    if mechanism == "rs-snapshot":  # the snapshot rows libllama allocates, at least
+        assert memory["memory_extra_bytes_max"] >= memory["n_rs_seq"] * memory["recurrent_state_bytes"]
+    else:  # the checkpoints held for the next turn
+        assert memory["memory_extra_bytes_max"] > 0
+    (prompt,) = data["prompts"]
+    assert isinstance(prompt["outputs_identical"], bool)  # greedy equality on hybrids: test_hybrid_session (margins)
+    assert all(r["stats"]["memory"] == mechanism for r in prompt["runs"])
+    assert f"- target_memory: {mechanism}" in stdout and "- recurrent_state_bytes: " in stdout
+
+
+@pytest.mark.parametrize("arch, mechanism", [("qwen35", "rs-snapshot"), ("qwen3next", "checkpoint")])
+def test_kernel_sweep_on_a_hybrid_target(hybrid_models, arch, mechanism) -> None:
+    report = kernels.measure({arch: hybrid_models.target(arch)}, sizes=(1, 4), repeats=1, n_threads=1,
+                             generate_tokens=0, drafter=hybrid_models.drafter(arch))
+    (variant,) = report.to_dict()["variants"]
+    assert variant["memory"] == mechanism and variant["ratio"][4] > 0
+    assert variant["rollback_ms_median"][4] > 0
+    assert sorted(report.drafter_cpu_ms) == ["draft block 16", "draft block 2", "draft block 4", "draft block 8",
+                                             "inject 1 row(s)", "inject 8 row(s)"]
+    assert f"rolled back by {mechanism}" in kernels.to_markdown(report)
+
+
+def test_bench_with_a_dspark_drafter_reports_its_confidence_head(embedded_target, tmp_path, capsys) -> None:
+    from dflash_gguf.convert import convert_checkpoint
+    from dspark_reference import make_dspark_checkpoint
+
+    ck = make_dspark_checkpoint(tmp_path / "dspark", anchor_first=True, confidence=True, block_size=8)
+    drafter = convert_checkpoint(ck, tmp_path / "dspark.gguf", target=embedded_target, progress=False)
+    out = tmp_path / "results"
+    rc, stdout, err = run_cli(
+        ["--prompts", str(_one_prompt(tmp_path)), "--drafter", str(drafter), "--max-tokens", "12", "--repeats", "1",
+         "--no-warmup", "--threads", "2", "--block-size", "4", "--out", str(out), "--name", "dspark"],
+        capsys,
+    )
+    assert rc == 0, err
+    data = json.loads((out / "dspark.json").read_text())
+    assert data["settings"]["drafter_kind"] == "dspark" and data["settings"]["confidence_head"] is True
+    conf = data["summary"]["all"]["dflash"]["confidence"]
+    per_source = data["summary"]["all"]["dflash"]["per_source"]["dspark"]
+    # every drafting cycle judges its first slot at least: as many judged slots as cycles, or more
+    assert conf["slots"] >= per_source["cycles"] > 0
+    assert 0.0 <= conf["predicted"] <= 1.0 and conf["observed"] == pytest.approx(
+        per_source["n_accepted"] / conf["slots"])
+    assert "Confidence head (dspark): mean predicted acceptance" in stdout

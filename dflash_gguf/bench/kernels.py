@@ -18,6 +18,7 @@ import llama_cpp
 import numpy as np
 
 from dflash_gguf.convert.writer import atomic_output
+from dflash_gguf.memory import TargetMemory, memory_for, rs_seq_for
 from dflash_gguf.target import Target, check_gguf_file, quantize, system_info
 from dflash_gguf.timing import time_batch as timing_batch
 
@@ -56,6 +57,9 @@ class VariantCosts:
     plain_tokens_per_s: list[float] = field(default_factory=list)  # greedy plain generations, decode only
     plain_cpu_ms_per_token: list[float] = field(default_factory=list)
     step_alone_cpu_ms: float | None = None  # median CPU time of consecutive 1-token decodes, this model only
+    memory: str = "kv"  # how a verify batch is rolled back on this target (memory.memory_for)
+    n_rs_seq: int = 0  # recurrent-state snapshots the timed context keeps (hybrid targets)
+    rollback_seconds: dict[int, list[float]] = field(default_factory=dict)  # keeping 1 of n tokens, per repeat
 
     def best_s(self, n: int) -> float:
         """The fastest repeat: the one least disturbed by other processes."""
@@ -97,6 +101,7 @@ class KernelReport:
             d["plain_cpu_ms_per_token_median"] = (
                 statistics.median(v.plain_cpu_ms_per_token) if v.plain_cpu_ms_per_token else None
             )
+            d["rollback_ms_median"] = {n: 1e3 * statistics.median(r) for n, r in v.rollback_seconds.items() if r}
         return out
 
 
@@ -125,31 +130,37 @@ def measure(
     if sizes[0] < 1:
         raise ValueError("batch sizes must be >= 1")
     n_batch = max(max(sizes), 512)  # each agreement prompt goes in one batch
-    targets = {
-        name: Target.open(path, n_ctx=1024, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn)
-        for name, path in variants.items()
-    }
+    # as the Session opens a hybrid target: snapshots for the longest batch timed (ignored by other targets)
+    n_rs_seq = rs_seq_for(max(sizes), n_batch)
+    targets: dict[str, Target] = {}
     try:
+        for name, path in variants.items():
+            targets[name] = Target.open(path, n_ctx=1024, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn,
+                                        n_rs_seq=n_rs_seq)
+        memories = {name: _timing_memory(target) for name, target in targets.items()}
         results = {
             name: VariantCosts(
-                name, str(path), Path(path).stat().st_size, {n: [] for n in sizes}, {n: [] for n in sizes}
+                name, str(path), Path(path).stat().st_size, {n: [] for n in sizes}, {n: [] for n in sizes},
+                memory=memories[name].name, n_rs_seq=targets[name].n_rs_seq, rollback_seconds={n: [] for n in sizes},
             )
             for name, path in variants.items()
         }
         context = context_tokens(next(iter(targets.values())))
-        for target in targets.values():
+        for name, target in targets.items():
             target.decode(context, 0, logits=False)
+            memories[name].end_of_turn(len(context))  # hybrid: the state every timed batch rolls back to
         names = list(targets)
         for rep in range(repeats + 1):  # rep 0 is the warm-up
             order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 for n in sizes:
-                    seconds, cpu = time_batch(targets[name], context, n)
+                    timing = timing_batch(targets[name], _batch(context, n), len(context), memories[name])
                     if rep:
-                        results[name].seconds[n].append(seconds)
-                        results[name].cpu_seconds[n].append(cpu)
+                        results[name].seconds[n].append(timing.wall_s)
+                        results[name].cpu_seconds[n].append(timing.cpu_s)
+                        results[name].rollback_seconds[n].append(timing.rollback_s)
         for name, target in targets.items():
-            results[name].step_alone_cpu_ms = _step_alone_cpu_ms(target, context)
+            results[name].step_alone_cpu_ms = _step_alone_cpu_ms(target, context, memories[name])
         _argmax_agreement(targets, results)
         first_path = next(iter(variants.values()))
         flip_agreement = _flash_attn_flip_agreement(targets[names[0]], first_path, n_threads, not flash_attn)
@@ -169,9 +180,22 @@ def measure(
     )
 
 
-def _step_alone_cpu_ms(target: Target, context: list[int], n: int = 20) -> float:
+def _timing_memory(target: Target) -> TargetMemory:
+    """The rollback the Session would use on this target; a target that has none cannot be timed as a verify."""
+    memory = memory_for(target)
+    if not memory.can_rollback:
+        raise ValueError(f"{target.path}: {memory.reason or 'this target cannot roll back a verify batch'}; "
+                         "its batch costs cannot be measured as verifies")
+    return memory
+
+
+def _batch(context: list[int], n: int) -> list[int]:
+    return [context[i % len(context)] for i in range(n)]
+
+
+def _step_alone_cpu_ms(target: Target, context: list[int], memory: TargetMemory, n: int = 20) -> float:
     """Median CPU ms of n consecutive 1-token decodes of one model, nothing else in between."""
-    samples = [time_batch(target, context, 1)[1] for _ in range(n)]
+    samples = [timing_batch(target, _batch(context, 1), len(context), memory).cpu_s for _ in range(n)]
     return 1e3 * statistics.median(samples)
 
 
@@ -201,6 +225,7 @@ def _drafter_costs(
 
     out: dict[str, list[float]] = {}
     with Target.open(target_path, n_ctx=1024, n_batch=64, n_threads=n_threads, flash_attn=flash_attn) as target:
+        memory = _timing_memory(target)
         with Drafter(drafter_path, target) as drafter:
             context = context_tokens(target)
             target.decode(context, 0, logits=False)
@@ -209,14 +234,15 @@ def _drafter_costs(
             blocks = [b for b in (2, 4, 8, 16) if b <= drafter.block_size]
             for rep in range(repeats + 1):
                 for rows in (1, 8):
+                    memory.before_verify(pos, rows, keep_min=0)  # the rows are dropped again below
                     target.decode(context[:rows], pos, logits=False)
                     features = target.features(rows)
+                    memory.keep(pos, context[:rows], 0)
                     start = time.process_time()
                     drafter.inject(features, pos)
                     if rep:
                         out.setdefault(f"inject {rows} row(s)", []).append(time.process_time() - start)
                     drafter.remove(pos)
-                    target.remove(0, pos)
                 for block in blocks:
                     start = time.process_time()
                     drafter.draft(context[-1], pos, block - 1)
@@ -270,8 +296,8 @@ def context_tokens(target: Target) -> list[int]:
 
 
 def time_batch(target: Target, context: list[int], n: int) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one decode of n tokens after the context, then rolled back."""
-    timing = timing_batch(target, [context[i % len(context)] for i in range(n)], len(context))
+    """(wall, process CPU) seconds of one decode of n tokens after the context, then rolled back (KV targets)."""
+    timing = timing_batch(target, _batch(context, n), len(context))
     return timing.wall_s, timing.cpu_s
 
 
@@ -362,6 +388,12 @@ def to_markdown(report: KernelReport) -> str:
             tps = statistics.median(v.plain_tokens_per_s)
             rows.append(f"| {v.name} | {tps:.1f} | {cpu:.2f} | {first_cpu / cpu:.2f}x |")
         rows.append("")
+    hybrid = [v for v in report.variants if v.memory != "kv"]
+    for v in hybrid:
+        largest = max(report.sizes)
+        rollback = statistics.median(v.rollback_seconds[largest])
+        rows += [f"{v.name}: recurrent target, rolled back by {v.memory} (n_rs_seq={v.n_rs_seq}); keeping 1 of "
+                 f"{largest} tokens costs {rollback * 1e3:.2f} ms, {rollback / v.best_s(1):.2f}x a 1-token step.", ""]
     alone = ", ".join(f"{v.name} {v.step_alone_cpu_ms:.2f} ms" for v in report.variants if v.step_alone_cpu_ms)
     if alone:
         rows += [f"1-token step alone (20 consecutive decodes of one model, median CPU): {alone}.", ""]

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dflash_gguf.stats import SourceStats
+from dflash_gguf.steps import Step, StepKind
+
 from .results import Generation, PeerResult
 
 # llama-cpp: llama_cpp.Llama plain; lookup: the same with LlamaPromptLookupDecoding; reference: z-lab τ;
@@ -179,11 +182,10 @@ def _server_generation(base: str, body: dict, repeat: int) -> Generation:
     accepted = int(timings.get("draft_n_accepted", 0))
     tokens = [int(t) for t in reply.get("tokens", [])] or [0] * n
     # llama-server times n generated tokens over predicted_ms (the first one included): keep that rate
-    generation = Generation(
+    return Generation(
         "llama-server", repeat, tokens, prefill_s=prefill_s, ttft_s=prefill_s,
-        decode_s=decode_s * (n - 1) / n if n else 0.0, n_drafted=drafted, n_accepted=accepted,
+        decode_s=decode_s * (n - 1) / n if n else 0.0, reported=SourceStats(n_drafted=drafted, n_accepted=accepted),
     )
-    return generation
 
 
 def _stop(process: subprocess.Popen) -> str:
@@ -243,17 +245,29 @@ def reference_tau(
             )
             end = time.perf_counter()
             generated = out.output_ids[0, out.num_input_tokens :].tolist()
-            cycles = len(out.acceptance_lengths)  # tokens committed per cycle, bonus included
             result.runs[p.id] = [
                 Generation(
                     "reference", 0, generated, prefill_s=out.time_to_first_token, ttft_s=out.time_to_first_token,
-                    decode_s=end - start - out.time_to_first_token, cycles=cycles,
-                    n_accepted=sum(out.acceptance_lengths) - cycles,
+                    decode_s=end - start - out.time_to_first_token,
+                    steps=_reference_steps(generated, out.acceptance_lengths, drafter.block_size),
                 )
             ]
     finally:
         zlab._cuda_time = original_clock
     return result
+
+
+def _reference_steps(generated: list[int], acceptance_lengths: Sequence[int], block_size: int) -> list[Step]:
+    """The reference's cycles as Steps for the stats model: each committed `length` tokens (bonus included)
+    after drafting block_size - 1; the first generated token came from the prompt."""
+    steps = [Step(kind=StepKind.PREFILL, tokens=generated[:1], text="")]
+    at = 1
+    for length in acceptance_lengths:
+        tokens = generated[at : at + int(length)]
+        at += int(length)
+        steps.append(Step(kind=StepKind.DRAFT, tokens=tokens, text="", source="reference", n_drafted=block_size - 1,
+                          n_accepted=int(length) - 1, block_size=block_size))
+    return steps
 
 
 def _is_dflash2(checkpoint: Path) -> bool:

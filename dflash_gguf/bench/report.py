@@ -38,14 +38,14 @@ def to_markdown(result: BenchResult) -> str:
     d = result.to_dict()
     lines = ["## Summary by category", ""]
     lines += [
-        "| category | prompts | plain tok/s | DFlash tok/s | median speedup | min speedup | τ | accepted | "
+        "| category | prompts | plain tok/s (loop) | DFlash tok/s (loop) | median speedup | min speedup | τ | accepted | "
         "draft ms/cycle | verify ms/cycle | loop overhead | plain cycles | identical outputs |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in d["summary"].items():
         plain, dfl = s["plain"], s["dflash"]
         lines.append(
-            f"| {name} | {s['prompts']} | {_f(plain['decode_tokens_per_s'])} | {_f(dfl['decode_tokens_per_s'])} | "
+            f"| {name} | {s['prompts']} | {_f(plain['loop_tokens_per_s'])} | {_f(dfl['loop_tokens_per_s'])} | "
             f"{_f(s['median_speedup'], '.2f', 'x')} | {_f(s['min_speedup'], '.2f', 'x')} | {_f(dfl['tau'], '.2f')} | "
             f"{_pct(dfl['acceptance_rate'])} | {_f(dfl['draft_ms_per_cycle'], '.2f')} | "
             f"{_f(dfl['verify_ms_per_cycle'], '.2f')} | {_pct(dfl['overhead_share'])} | "
@@ -53,7 +53,7 @@ def to_markdown(result: BenchResult) -> str:
         )
     lines += ["", *_goal_lines(result), "", "## Per prompt", ""]
     lines += [
-        "| prompt | category | tokens | plain tok/s | DFlash tok/s | speedup | τ | TTFT plain ms | TTFT DFlash ms | "
+        "| prompt | category | tokens | plain tok/s (loop) | DFlash tok/s (loop) | speedup | τ | TTFT plain ms | TTFT DFlash ms | "
         "prefill ms | draft ms/cycle | verify ms/cycle | overhead | identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -64,8 +64,8 @@ def to_markdown(result: BenchResult) -> str:
         prefill = None if dfl["prefill_s"] is None else dfl["prefill_s"] * 1e3
         identical = {True: "yes", False: "no", None: "-"}[p["outputs_identical"]]
         lines.append(
-            f"| {p['id']} | {p['category']} | {_f(dfl['n_tokens'], '.0f')} | {_f(plain['decode_tokens_per_s'])} | "
-            f"{_f(dfl['decode_tokens_per_s'])} | {_f(p['speedup'], '.2f', 'x')} | {_f(dfl['tau'], '.2f')} | "
+            f"| {p['id']} | {p['category']} | {_f(dfl['n_tokens'], '.0f')} | {_f(plain['loop_tokens_per_s'])} | "
+            f"{_f(dfl['loop_tokens_per_s'])} | {_f(p['speedup'], '.2f', 'x')} | {_f(dfl['tau'], '.2f')} | "
             f"{_f(ttft_p, '.0f')} | {_f(ttft_d, '.0f')} | {_f(prefill, '.0f')} | {_f(dfl['draft_ms_per_cycle'], '.2f')} | "
             f"{_f(dfl['verify_ms_per_cycle'], '.2f')} | {_pct(dfl['overhead_share'])} | {identical} |"
         )
@@ -79,6 +79,7 @@ def to_markdown(result: BenchResult) -> str:
         lines += ["", "| block position | " + " | ".join(str(k + 1) for k in range(len(by_pos))) + " |"]
         lines += ["|---|" + "---|" * len(by_pos)]
         lines += ["| drafts 1..k all accepted | " + " | ".join(f"{100 * a:.0f}%" for a in by_pos) + " |"]
+    lines += _sources_lines(overall, d["settings"])
     lines += ["", "## Peers", ""]
     if not d["peers"]:
         lines.append("No peers were requested.")
@@ -98,6 +99,22 @@ def to_markdown(result: BenchResult) -> str:
     for key, value in {**d["settings"], **d["machine"], **d["memory"]}.items():
         lines.append(f"- {key}: {value}")
     return "\n".join(lines) + "\n"
+
+
+def _sources_lines(summary: dict, settings: dict) -> list[str]:
+    """Each draft source's acceptance, and a confidence head's predictions against what the target did."""
+    lines = []
+    if summary["per_source"]:
+        lines += ["", "| draft source | cycles | drafted | accepted | acceptance |", "|---|---|---|---|---|"]
+        for name, src in summary["per_source"].items():
+            lines.append(f"| {name} | {src['cycles']} | {src['n_drafted']} | {src['n_accepted']} | "
+                         f"{_pct(src['acceptance_rate'])} |")
+    conf = summary["confidence"]
+    if conf:
+        lines += ["", f"Confidence head ({settings.get('drafter_kind', 'drafter')}): mean predicted acceptance "
+                  f"{_pct(conf['predicted'])} against {_pct(conf['observed'])} observed, over {conf['slots']} "
+                  "draft slots the target judged."]
+    return lines
 
 
 GOAL_MEDIAN_SPEEDUP = 1.5  # on math and code prompts (issue goals, checked here, never by timed tests)

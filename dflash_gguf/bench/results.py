@@ -7,62 +7,83 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Sequence
+
+from dflash_gguf.stats import GenerationStats, SourceStats, StatsBuilder, collect, speedup
+from dflash_gguf.lookup import LOOKUP_SOURCE
+from dflash_gguf.steps import Step
 
 
 @dataclass
 class Generation:
-    """One timed generation of one prompt in one mode."""
+    """One timed generation of one prompt in one mode.
 
-    mode: str  # "plain" | "dflash" | a peer's name
+    Every per-cycle figure is a view of the stats model (dflash_gguf.stats) over `steps`: the Steps the
+    Session yielded, or, for a peer that reports its cycles, Steps built from its report. A peer that
+    reports only totals (llama-server) gives `reported` instead.
+    """
+
+    mode: str  # "plain" | "dflash" | "lookup" | "both" | a peer's name
     repeat: int
     tokens: list[int]
     prefill_s: float  # prompt processing, as the runtime reports it
     ttft_s: float  # call to first generated token, as the caller sees it
     decode_s: float  # first generated token to the last
-    cycles: int = 0
-    n_drafted: int = 0
-    n_accepted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    overhead_s: float = 0.0  # cycle wall time not spent in draft or verify: the Python loop's own cost
-    acceptance_histogram: list[int] = field(default_factory=list)  # drafting cycles by drafts accepted: 0, 1, ...
-    position_drafted: list[int] = field(default_factory=list)  # [k]: cycles that drafted slot k+1
-    position_accepted: list[int] = field(default_factory=list)  # [k]: cycles whose slots 1..k+1 all passed
-    plain_cycles: int = 0  # cycles the adaptive controller kept plain
-    reasons: dict[str, int] = field(default_factory=dict)
-    source_accepted: dict[str, int] = field(default_factory=dict)  # accepted drafts by source name  # cycles by Step kind (plain, draft, probe)
+    steps: list[Step] = field(default_factory=list, repr=False)
+    stats: GenerationStats | None = None  # our runs: the Session's own stats of this generation
+    reported: SourceStats | None = None  # a peer's drafted / accepted totals, where it has no cycles to give
+
+    @cached_property
+    def builder(self) -> StatsBuilder:
+        return collect(self.steps)
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
     @property
+    def cycles(self) -> int:
+        return self.builder.cycles
+
+    @property
+    def n_drafted(self) -> int:
+        return self.reported.n_drafted if self.reported is not None else self.builder.n_drafted
+
+    @property
+    def n_accepted(self) -> int:
+        return self.reported.n_accepted if self.reported is not None else self.builder.n_accepted
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after the first one, over the time after the first one (prefill excluded)."""
+        """The Session's decode rate (prefill excluded); a peer's: tokens after the first over the time after it."""
+        if self.stats is not None:
+            return self.stats.decode_tokens_per_s
         return (self.n_tokens - 1) / self.decode_s if self.decode_s > 0 and self.n_tokens > 1 else 0.0
 
     @property
-    def tau(self) -> float:
-        """Acceptance length: drafts accepted per cycle plus the target's own token (plain decoding: 1)."""
-        return 1.0 + self.n_accepted / self.cycles if self.cycles else 0.0
+    def loop_tokens_per_s(self) -> float | None:
+        """Tokens committed per second inside the decode loop: the rate every speedup divides (our runs only)."""
+        return self.stats.loop_tokens_per_s if self.stats is not None else None
+
+    @property
+    def tau(self) -> float | None:
+        """Acceptance length, the stats model's: tokens committed per cycle (plain decoding: 1)."""
+        return self.builder.tau
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["n_tokens"] = self.n_tokens
-        out["decode_tokens_per_s"] = self.decode_tokens_per_s
-        out["tau"] = self.tau
-        return out
+        return {
+            "mode": self.mode, "repeat": self.repeat, "tokens": self.tokens, "n_tokens": self.n_tokens,
+            "prefill_s": self.prefill_s, "ttft_s": self.ttft_s, "decode_s": self.decode_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s, "loop_tokens_per_s": self.loop_tokens_per_s,
+            "cycles": self.cycles, "n_drafted": self.n_drafted,
+            "n_accepted": self.n_accepted, "tau": self.tau,
+            "stats": self.stats.as_dict() if self.stats is not None else None,
+        }
 
 
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def _sum_histograms(histograms: Sequence[Sequence[int]]) -> list[int]:
-    """Element-wise sum of count lists of different lengths."""
-    width = max((len(h) for h in histograms), default=0)
-    return [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
 
 
 @dataclass
@@ -75,12 +96,12 @@ class PromptResult:
         return [g for g in self.runs if g.mode == mode]
 
     def tokens_per_s(self, mode: str) -> float | None:
-        return _median([g.decode_tokens_per_s for g in self.of(mode)])
+        """Median loop rate of a mode's runs (stats.GenerationStats.loop_tokens_per_s)."""
+        return _median([r for g in self.of(mode) if (r := g.loop_tokens_per_s) is not None])
 
     def speedup(self, mode: str = "dflash", base: str = "plain") -> float | None:
-        """Median decode tok/s of `mode` over median decode tok/s of `base`."""
-        a, b = self.tokens_per_s(mode), self.tokens_per_s(base)
-        return a / b if a and b else None
+        """stats.speedup of the median loop rates of `mode` and `base`, measured interleaved."""
+        return speedup(self.tokens_per_s(mode), self.tokens_per_s(base))
 
     def outputs_identical(self, mode: str = "dflash", base: str = "plain") -> bool | None:
         """Whether every `mode` generation produced exactly the tokens of the first `base` one."""
@@ -94,35 +115,38 @@ class PromptResult:
 
 
 def mode_summary(runs: Sequence[Generation]) -> dict:
-    """Medians and per-cycle figures over some generations of one mode."""
-    cycles = sum(g.cycles for g in runs)
-    wall = sum(g.draft_s + g.verify_s + g.overhead_s for g in runs)
+    """Medians over some generations of one mode, and their per-cycle figures from one StatsBuilder."""
+    builder = collect(step for g in runs for step in g.steps)
+    view = builder.stats(wall_s=0.0, n_prompt_tokens=0, n_cached_tokens=0, block_size=None, speculative=True)
+    cycles = view.cycles
+    reported = [g.reported for g in runs if g.reported is not None]
+    drafted = SourceStats(n_drafted=view.n_drafted + sum(r.n_drafted for r in reported),
+                          n_accepted=view.n_accepted + sum(r.n_accepted for r in reported))
+    histogram = list(view.acceptance_histogram)
+    if histogram:
+        histogram[0] -= view.plain_cycles  # drafting cycles only: a plain cycle accepts no draft by definition
+    overhead = view.loop_s - view.draft_s - view.verify_s  # the loop's own time: bookkeeping, rollback, stops
     return {
         "runs": len(runs),
         "decode_tokens_per_s": _median([g.decode_tokens_per_s for g in runs]),
+        "loop_tokens_per_s": _median([r for g in runs if (r := g.loop_tokens_per_s) is not None]),
         "ttft_s": _median([g.ttft_s for g in runs]),
         "prefill_s": _median([g.prefill_s for g in runs]),
         "n_tokens": _median([g.n_tokens for g in runs]),
-        "tau": 1.0 + sum(g.n_accepted for g in runs) / cycles if cycles else None,
-        "draft_ms_per_cycle": 1e3 * sum(g.draft_s for g in runs) / cycles if cycles else None,
-        "verify_ms_per_cycle": 1e3 * sum(g.verify_s for g in runs) / cycles if cycles else None,
-        "overhead_ms_per_cycle": 1e3 * sum(g.overhead_s for g in runs) / cycles if cycles else None,
-        "overhead_share": sum(g.overhead_s for g in runs) / wall if wall else None,
-        "acceptance_rate": (sum(g.n_accepted for g in runs) / sum(g.n_drafted for g in runs))
-        if sum(g.n_drafted for g in runs)
-        else None,
-        "plain_cycle_share": sum(g.plain_cycles for g in runs) / cycles if cycles else None,
-        "acceptance_histogram": _sum_histograms([g.acceptance_histogram for g in runs]),
-        "acceptance_by_position": _by_position(runs),
+        "tau": builder.tau,
+        "draft_ms_per_cycle": 1e3 * view.draft_s / cycles if cycles else None,
+        "verify_ms_per_cycle": 1e3 * view.verify_s / cycles if cycles else None,
+        "overhead_ms_per_cycle": 1e3 * overhead / cycles if cycles else None,
+        "overhead_share": overhead / view.loop_s if view.loop_s > 0 else None,
+        "acceptance_rate": drafted.acceptance_rate,
+        "plain_cycle_share": view.plain_cycles / cycles if cycles else None,
+        "acceptance_histogram": histogram,  # drafting cycles by drafts accepted: 0, 1, ...
+        "acceptance_by_position": list(view.acceptance_by_slot),  # [k]: drafts 1..k+1 all passed, given k+1 drafted
+        "per_source": {k: {**vars(v), "acceptance_rate": v.acceptance_rate} for k, v in view.per_source.items()},
+        "tokens_by_provenance": dict(view.tokens_by_provenance),
+        # a confidence head's mean predicted acceptance against the observed one (stats.Calibration)
+        "confidence": asdict(view.confidence) if view.confidence is not None else None,
     }
-
-
-def _by_position(runs: Sequence[Generation]) -> list[float]:
-    """[k]: of the cycles that drafted slot k+1, the share whose drafts 1..k+1 all passed."""
-    drafted = _sum_histograms([g.position_drafted for g in runs])
-    accepted = _sum_histograms([g.position_accepted for g in runs])
-    accepted += [0] * (len(drafted) - len(accepted))  # slots drafted but never reached
-    return [a / n for a, n in zip(accepted, drafted) if n]
 
 
 @dataclass
@@ -184,14 +208,16 @@ class BenchResult:
         """One mode against plain: median and slowest-prompt speedup, identical outputs, lookup's share."""
         speedups = [s for s in (p.speedup(mode) for p in prompts) if s is not None]
         runs = [g for p in prompts for g in p.of(mode)]
+        summary = mode_summary(runs)
         return {
             "median_speedup": _median(speedups),
             "min_speedup": min(speedups) if speedups else None,
             "outputs_identical": sum(1 for p in prompts if p.outputs_identical(mode)),
-            "tokens_per_s": _median([g.decode_tokens_per_s for g in runs]),
-            "tau": mode_summary(runs)["tau"],
-            "lookup_accepted": sum(g.source_accepted.get("lookup", 0) for g in runs),
-            "draft_accepted": sum(v for g in runs for k, v in g.source_accepted.items() if k != "lookup"),
+            "tokens_per_s": summary["loop_tokens_per_s"],
+            "tau": summary["tau"],
+            "per_source": summary["per_source"],
+            "lookup_accepted": sum(v["n_accepted"] for k, v in summary["per_source"].items() if k == LOOKUP_SOURCE),
+            "draft_accepted": sum(v["n_accepted"] for k, v in summary["per_source"].items() if k != LOOKUP_SOURCE),
             "n_tokens": sum(g.n_tokens for g in runs),
         }
 

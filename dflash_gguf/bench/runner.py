@@ -1,8 +1,10 @@
-"""Run the benchmark: plain decoding and DFlash interleaved (A B A B) on one Session, then the peers.
+"""Run the benchmark: plain decoding and DFlash (and lookup, both) interleaved (A B A B) per prompt, then the peers.
 
-Both modes share the target, its settings, the prompts and max_tokens; greedy, so their outputs can be
-compared token for token. Every run prefills the whole prompt (the KV caches are cleared first), so TTFT
-and prefill mean the same thing in both modes.
+Every mode shares the target file, its settings, the prompts and max_tokens; greedy, so outputs can be
+compared token for token. plain and dflash run on one Session; lookup and both on the Sessions users open
+for them (drafter-free, and lookup=True). Every run prefills the whole prompt (the caches are cleared
+first), so TTFT and prefill mean the same thing in every mode. Per-cycle figures are views of the stats
+model (dflash_gguf.stats) over the Steps each run yielded, and every speedup is stats.speedup.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable, Sequence
 
 from dflash_gguf.train.prompts import Prompt
 
-from dflash_gguf.steps import StepKind
+from dflash_gguf.steps import Step, StepKind
 from dflash_gguf.target import default_threads
 
 from . import peers as peer_runs
@@ -79,88 +81,67 @@ def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
 
 
 def timed_generation(session, messages: list[dict], mode: str, repeat: int, config: BenchConfig) -> Generation:
-    """One generation, timed from the caller's side; per-cycle figures from the Steps the runtime yields.
-
-    A cycle's wall time is the time between two Steps; what draft_s and verify_s do not cover is the
-    loop's own cost (acceptance bookkeeping, KV rollback, detokenisation, stop rules, the controller).
-    """
-    tokens: list[int] = []
-    _MODE_SETUP.get(id(session), {}).get(mode, lambda: None)()
-    g = Generation(mode, repeat, tokens, prefill_s=0.0, ttft_s=0.0, decode_s=0.0)
+    """One generation, timed from the caller's side (TTFT, decode span); every per-cycle figure is a view of
+    the stats model over the Steps it yielded, and `stats` is the Session's own."""
+    steps: list[Step] = []
     start = time.perf_counter()
     previous = first = start
-    steps = chat_steps(
+    for step in chat_steps(
         session, messages, max_tokens=config.max_tokens, speculative=mode != "plain", block_size=config.block_size
-    )
-    for step in steps:
+    ):
         now = time.perf_counter()
-        tokens.extend(step.tokens)
+        steps.append(step)
         if step.kind is StepKind.PREFILL:
             first = now
-            g.prefill_s = step.verify_s
-            g.ttft_s = now - start
-        elif step.kind is not StepKind.CONTEXT_FULL:
-            g.cycles += 1
-            g.draft_s += step.draft_s
-            g.verify_s += step.verify_s
-            g.overhead_s += max(0.0, (now - previous) - step.draft_s - step.verify_s)
-            _count_cycle(g, step)
         previous = now
-    g.decode_s = previous - first
-    return g
+    stats = session.last_stats
+    return Generation(
+        mode, repeat, [t for step in steps for t in step.tokens], prefill_s=stats.prefill_s, ttft_s=first - start,
+        decode_s=previous - first, steps=steps, stats=stats,
+    )
 
 
-_MODE_SETUP: dict[int, dict] = {}
+def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> dict:
+    """The Session each mode runs on: plain and dflash on the drafter's Session, lookup on a drafter-free
+    Session (lookup is on by default there), both on Session(..., lookup=True): the paths users run."""
+    from dflash_gguf.session import Session
+
+    target, drafter = session.target.path, session.drafter.path
+    opened = {"plain": session, "dflash": session}
+    kwargs = dict(n_ctx=config.n_ctx, n_threads=config.n_threads)
+    try:
+        if "lookup" in modes:
+            opened["lookup"] = Session(target, None, lookup=True, **kwargs)
+        if "both" in modes:
+            opened["both"] = Session(target, drafter, lookup=True, **kwargs)
+    except BaseException:
+        close_mode_sessions(opened, session)
+        raise
+    return opened
 
 
-def _setup_modes(session, modes) -> None:
-    """Each mode's draft sources on one Session: plain and dflash as built; lookup and both via use_lookup.
-
-    Each lookup mode keeps its own LookupSource (what it learns carries over between its generations, as in
-    a Session of that kind). Switching swaps the Session's source list and policy before a generation.
-    """
-    from dflash_gguf.lookup import use_lookup
-
-    built = (list(session._sources), session.__dict__.get("_policy"))
-
-    def restore(sources=built[0], policy=built[1]):
-        session._sources = list(sources)
-        if policy is None:
-            session.__dict__.pop("_policy", None)
-        else:
-            session._policy = policy
-
-    setups = {"plain": restore, "dflash": restore}
-    for mode in ("lookup", "both"):
-        if mode in modes:
-            use_lookup(session, dflash=mode == "both")
-            configured = (list(session._sources), session._policy)
-            setups[mode] = lambda c=configured: restore(*c)
-            restore()
-    _MODE_SETUP[id(session)] = setups
+def close_mode_sessions(sessions: dict, keep) -> None:
+    for s in {id(s): s for s in sessions.values()}.values():
+        if s is not keep:
+            s.close()
 
 
-def _count_cycle(g: Generation, step) -> None:
-    g.reasons[step.kind.value] = g.reasons.get(step.kind.value, 0) + 1
-    if step.n_drafted == 0:
-        g.plain_cycles += 1
-        return
-    g.n_drafted += step.n_drafted
-    g.n_accepted += step.n_accepted
-    if step.source:
-        g.source_accepted[step.source] = g.source_accepted.get(step.source, 0) + step.n_accepted
-    for counts, upto in (
-        (g.acceptance_histogram, step.n_accepted + 1),
-        (g.position_drafted, step.n_drafted),
-        (g.position_accepted, step.n_accepted),
-    ):
-        if len(counts) < upto:
-            counts.extend([0] * (upto - len(counts)))
-    g.acceptance_histogram[step.n_accepted] += 1
-    for k in range(step.n_drafted):
-        g.position_drafted[k] += 1
-    for k in range(step.n_accepted):
-        g.position_accepted[k] += 1
+def memory_figures(session, runs: Sequence[Generation]) -> dict:
+    """How the target rolls back and what that costs in memory (issue 10): mechanism, snapshots, state bytes."""
+    extra = [g.stats.memory_extra_bytes for g in runs if g.stats is not None]
+    return {
+        "target_memory": session.memory.name,
+        "n_rs_seq": session.target.n_rs_seq,
+        "recurrent_state_bytes": getattr(session.memory, "state_bytes", 0),
+        "memory_extra_bytes_max": max(extra, default=0),
+        "speculative_disabled_reason": session.speculative_disabled_reason,
+    }
+
+
+def drafter_figures(session) -> dict:
+    """Which drafter kind ran, and whether it predicts its own acceptance (a DSpark confidence head)."""
+    drafter = session.drafter
+    return {"drafter_kind": drafter.kind, "confidence_head": bool(getattr(drafter, "has_confidence_head", False))}
 
 
 def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchResult:
@@ -168,34 +149,26 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     from dflash_gguf.session import Session
 
     config.validate()
-    session = Session(config.target, config.drafter, n_ctx=config.n_ctx, n_threads=config.n_threads)
+    session = Session(config.target, config.drafter, n_ctx=config.n_ctx, n_threads=config.n_threads, lookup=False)
     with session:
         if session.drafter is None:
-            raise ValueError("no drafter: pass --drafter FILE.gguf (a dflash drafter converted for this target)")
-        _setup_modes(session, config.modes)
-        rss_loaded = _peak_rss_mib()
-        conversations = {p.id: [{"role": "user", "content": p.prompt}] for p in config.prompts}
-        if config.warmup:
-            first = config.prompts[0]
-            for mode in config.modes:
-                timed_generation(session, conversations[first.id], mode, -1, config)
-        results = []
-        for i, p in enumerate(config.prompts, 1):
-            runs = [
-                timed_generation(session, conversations[p.id], mode, r, config)
-                for r in range(config.repeats)
-                for mode in config.modes
-            ]
-            results.append(PromptResult(p.id, p.category, runs))
-            figures = ", ".join(
-                f"{m} {'-' if (x := results[-1].speedup(m)) is None else f'{x:.2f}x'}" for m in config.modes if m != "plain"
+            raise ValueError(
+                session.speculative_disabled_reason
+                or "no drafter: pass --drafter FILE.gguf (a dflash drafter converted for this target)"
             )
-            progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {figures}")
-        peer_prompts = [peer_runs.PeerPrompt(p.id, *_chat_prompt(session, conversations[p.id])) for p in config.prompts]
+        sessions = open_mode_sessions(session, config.modes, config)
+        rss_loaded = _peak_rss_mib()
+        try:
+            results = _run_prompts(sessions, config, progress)
+        finally:
+            close_mode_sessions(sessions, session)
+        peer_prompts = [peer_runs.PeerPrompt(p.id, *_chat_prompt(session, _conversation(p))) for p in config.prompts]
         paths = (session.target.path, session.drafter.path)
         n_threads = config.n_threads or default_threads()
         block = session.drafter.block_size
         rss_bench = _peak_rss_mib()
+        target_memory = memory_figures(session, [g for p in results for g in p.runs])
+        drafter_info = drafter_figures(session)
     peers = _run_peers(config, paths, peer_prompts, n_threads, block, progress)
     plain_tokens = {p.id: p.of("plain")[0].tokens for p in results}
     for peer in peers:
@@ -204,6 +177,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     settings = {
         "target": str(paths[0]),
         "drafter": str(paths[1]),
+        **drafter_info,
         "max_tokens": config.max_tokens,
         "repeats": config.repeats,
         "warmup": config.warmup,
@@ -217,13 +191,39 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     if advice:
         settings["advice"] = advice
     memory = {
+        **target_memory,
         "peak_rss_after_load_mib": round(rss_loaded, 1),
         "peak_rss_after_benchmark_mib": round(rss_bench, 1),
         "peak_rss_final_mib": round(_peak_rss_mib(), 1),
         "memory_note": "getrusage ru_maxrss: peak resident memory of the whole benchmark process (both models, "
-        "both modes, Python); the modes share one process, so it is not split per mode",
+        "every mode's Session, Python); the modes share one process, so it is not split per mode",
     }
     return BenchResult(settings, machine_info(n_threads), results, peers, memory)
+
+
+def _conversation(p: Prompt) -> list[dict]:
+    return [{"role": "user", "content": p.prompt}]
+
+
+def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], None]) -> list[PromptResult]:
+    """Every prompt in every mode, `repeats` times, interleaved per prompt; a warm-up first."""
+    if config.warmup:
+        first = _conversation(config.prompts[0])
+        for mode in config.modes:
+            timed_generation(sessions[mode], first, mode, -1, config)
+    results = []
+    for i, p in enumerate(config.prompts, 1):
+        runs = [
+            timed_generation(sessions[mode], _conversation(p), mode, r, config)
+            for r in range(config.repeats)
+            for mode in config.modes
+        ]
+        results.append(PromptResult(p.id, p.category, runs))
+        figures = ", ".join(
+            f"{m} {'-' if (x := results[-1].speedup(m)) is None else f'{x:.2f}x'}" for m in config.modes if m != "plain"
+        )
+        progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {figures}")
+    return results
 
 
 def _run_peers(
