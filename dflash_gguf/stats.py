@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
-from .steps import DRAFTED_KINDS, Step, StepKind, TokenSource
+from .steps import DRAFTED_KINDS, Step, StepKind
 
 MIN_BASELINE_CYCLES = 8  # plain cycles needed before their rate is a baseline worth dividing by
 

@@ -1,16 +1,20 @@
-"""What dflash-chat costs the decoder: decode tok/s of the same prompts headless vs inside the app.
+"""What dflash-chat costs the decoder: decode tok/s of the same prompts headless vs inside the app, with the
+Session on a thread of the app (ThreadWorker) and in a worker process (ProcessWorker).
 
-One interleaved run: for every prompt and mode (plain, speculative), the generation runs headless
-(Session.stream_chat iterated with nothing else to do), then the same generation inside the real app
-(Textual's run_test, the embedded pair, keys typed through Pilot). Both figures come from the Session's own
-GenerationStats, so they are measured the same way: decode_tokens_per_s is the wall-clock rate after the
-prefill, as the worker thread iterated the stream (loop_tok/s counts only the time inside the decode loop).
-The Session's cache is reset before every run, so each one prefills the same prompt.
+One interleaved run: for every round, prompt and mode (plain, speculative) it runs, one after the other,
+- headless: Session.stream_chat iterated in this process with nothing else to do;
+- thread app: the real app (Textual's run_test, 120x40, the embedded pair) on a ThreadWorker of that Session;
+- process headless: the worker process's Session, its Steps sent over the pipe to nobody drawing them;
+- process app: the real app on that ProcessWorker.
+Every figure is the Session's own GenerationStats, measured where the Session runs: decode_tokens_per_s is
+the wall-clock rate after the prefill as the Session's consumer iterated the stream (what the UI can slow);
+loop tok/s counts only the time inside the decode loop. Caches are reset before every run, so each one
+prefills the same prompt. Load averages are printed before and after.
 
     python scripts/measure_tui_overhead.py [--rounds 2] [--max-tokens 96] [--switch-interval S] [--profile OUT.prof]
 
---profile runs cProfile on the UI thread during the in-app runs and prints where its time went; it
-also prints the UI thread's CPU seconds per reply (from /proc) with or without it.
+--profile runs cProfile on the UI thread during the in-app runs and prints where its time went; the UI
+thread's CPU seconds per reply (from /proc) are printed with or without it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import os
 import pstats
 import statistics
 import threading
-import time
 
 PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome.",
@@ -30,6 +33,7 @@ PROMPTS = (
     "List five tips for writing clear code.",
 )
 SIZE = (120, 40)
+RUNS = ("headless", "thread app", "process headless", "process app")
 
 
 def thread_cpu_s(tid: int) -> float:
@@ -39,38 +43,55 @@ def thread_cpu_s(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def headless(session, prompt: str, gen: dict) -> tuple[float, float]:
+def headless(session, prompt: str, gen: dict):
     session.reset()
-    steps = session.stream_chat([{"role": "user", "content": prompt}], **gen)
-    for _ in steps:
+    for _ in session.stream_chat([{"role": "user", "content": prompt}], **gen):
         pass
-    stats = session.last_stats
-    return stats.decode_tokens_per_s, stats.n_tokens / stats.loop_s if stats.loop_s else 0.0
+    return session.last_stats
 
 
-async def in_app(app, pilot, session, prompt: str, speculative: bool, profiler) -> tuple[float, float, float]:
-    app.action_new_chat()
-    await pilot.pause()
-    session.reset()
-    ui = threading.get_native_id()
-    cpu0 = thread_cpu_s(ui)
-    if profiler is not None:
-        profiler.enable()
-    if speculative:
-        app.query_one("#prompt").value = prompt
-        await pilot.press("enter")
-    else:  # what Ctrl+G runs: the same conversation, decoded plainly, streamed the same way
-        app.history.append({"role": "user", "content": prompt})
-        app._start_reply(app._conversation(), speculative=False)
-        app.history.pop()
-    await pilot.pause(0.05)
-    while app.busy:
-        await pilot.pause(0.1)  # polls lightly: the script must not load the UI thread itself
-    if profiler is not None:
-        profiler.disable()
-    cpu = thread_cpu_s(ui) - cpu0
-    stats = session.last_stats
-    return stats.decode_tokens_per_s, stats.n_tokens / stats.loop_s if stats.loop_s else 0.0, cpu
+def worker_headless(worker, prompt: str, gen: dict):
+    """A reply through the worker with nobody drawing it: what the process boundary alone costs."""
+    from dflash_gguf.tui.messages import ReplyFinished
+
+    worker.reset()
+    ended = threading.Event()
+    result = []
+
+    def post(message) -> None:
+        result.append(message)
+        ended.set()
+
+    worker.reply([{"role": "user", "content": prompt}], gen, [], post)
+    ended.wait()
+    assert isinstance(result[0], ReplyFinished), result[0]
+    return result[0].stats
+
+
+async def in_app(worker, options, prompt: str, speculative: bool, profiler) -> tuple[object, float]:
+    from dflash_gguf.tui.app import ChatApp
+
+    worker.reset()
+    app = ChatApp(worker, options)
+    async with app.run_test(size=SIZE) as pilot:
+        ui = threading.get_native_id()
+        cpu0 = thread_cpu_s(ui)
+        if profiler is not None:
+            profiler.enable()
+        if speculative:
+            app.query_one("#prompt").value = prompt
+            await pilot.press("enter")
+        else:  # what Ctrl+G runs: the same conversation, decoded plainly, streamed the same way
+            app.history.append({"role": "user", "content": prompt})
+            app._start_reply(app._conversation(), speculative=False)
+            app.history.pop()
+        await pilot.pause(0.05)
+        while app.busy:
+            await pilot.pause(0.1)  # polls lightly: the script must not load the UI thread itself
+        if profiler is not None:
+            profiler.disable()
+        cpu = thread_cpu_s(ui) - cpu0
+    return app.last_generation, cpu
 
 
 def main() -> None:
@@ -85,46 +106,60 @@ def main() -> None:
 
     from dflash_gguf.session import Session
     import dflash_gguf.tui.app as chat_app
-    from dflash_gguf.tui.app import ChatApp
     from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+    from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
+    from dflash_gguf.tui.worker import ThreadWorker
 
     if args.switch_interval is not None:
         chat_app.GIL_SWITCH_INTERVAL_S = args.switch_interval
     profiler = cProfile.Profile() if args.profile else None
-    results: dict[tuple[str, str], list[float]] = {}
-    loops: dict[tuple[str, str], list[float]] = {}
-    cpus: dict[str, list[float]] = {}
+    wall: dict[tuple[str, str], list[float]] = {}
+    loop: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens))
-    with Session(n_ctx=2048, n_threads=args.n_threads) as session:
+    load_before = os.getloadavg()
+    spec = SessionSpec(n_ctx=2048, n_threads=args.n_threads)
+    with spec.open() as session, ProcessWorker(spec) as process:
+        thread = ThreadWorker(session)
         # warm-up: the adaptive controller measures its costs once per Session; not timed
-        headless(session, PROMPTS[0], options.generation.session_kwargs(speculative=True))
-        app = ChatApp(session, options)
+        warm = options.generation.session_kwargs(speculative=True)
+        headless(session, PROMPTS[0], warm)
+        worker_headless(process, PROMPTS[0], warm)
+
+        def record(run: str, mode: str, stats, cpu: float | None = None) -> None:
+            wall.setdefault((run, mode), []).append(stats.decode_tokens_per_s)
+            loop.setdefault((run, mode), []).append(stats.loop_tokens_per_s or 0.0)
+            if cpu is not None:
+                cpus.setdefault((run, mode), []).append(cpu)
 
         async def run() -> None:
-            async with app.run_test(size=SIZE) as pilot:
-                for _ in range(args.rounds):
-                    for prompt in PROMPTS:
-                        for mode in ("plain", "speculative"):
-                            gen = options.generation.session_kwargs(speculative=mode == "speculative")
-                            wall, loop = headless(session, prompt, gen)
-                            results.setdefault((mode, "headless"), []).append(wall)
-                            loops.setdefault((mode, "headless"), []).append(loop)
-                            wall, loop, cpu = await in_app(app, pilot, session, prompt, mode == "speculative", profiler)
-                            results.setdefault((mode, "app"), []).append(wall)
-                            loops.setdefault((mode, "app"), []).append(loop)
-                            cpus.setdefault(mode, []).append(cpu)
+            for _ in range(args.rounds):
+                for prompt in PROMPTS:
+                    for mode in ("plain", "speculative"):
+                        speculative = mode == "speculative"
+                        gen = options.generation.session_kwargs(speculative=speculative)
+                        record("headless", mode, headless(session, prompt, gen))
+                        record("thread app", mode, *await in_app(thread, options, prompt, speculative, profiler))
+                        record("process headless", mode, worker_headless(process, prompt, gen))
+                        record("process app", mode, *await in_app(process, options, prompt, speculative, profiler))
 
         asyncio.run(run())
+        thread.close()
+    load_after = os.getloadavg()
 
-    print(f"{len(PROMPTS)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, "
-          f"n_threads {args.n_threads}, GIL switch {chat_app.GIL_SWITCH_INTERVAL_S * 1000:g} ms in the app, interleaved headless/app; median decode tok/s (wall, after prefill)")
-    print(f"{'mode':<12}{'headless':>10}{'in app':>10}{'app/headless':>14}{'loop hl':>10}{'loop app':>10}{'UI cpu s':>10}")
+    print(f"{len(PROMPTS)} prompts x {args.rounds} rounds, max_tokens {args.max_tokens}, n_threads {args.n_threads}, "
+          f"GIL switch {chat_app.GIL_SWITCH_INTERVAL_S * 1000:g} ms in the app; interleaved; medians")
+    print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    print(f"{'mode':<12}{'run':<18}{'decode tok/s':>13}{'(min-max)':>14}{'/ headless':>11}{'loop tok/s':>11}{'UI cpu s':>10}")
     for mode in ("plain", "speculative"):
-        h = statistics.median(results[(mode, "headless")])
-        a = statistics.median(results[(mode, "app")])
-        lh = statistics.median(loops[(mode, "headless")])
-        la = statistics.median(loops[(mode, "app")])
-        print(f"{mode:<12}{h:>10.1f}{a:>10.1f}{a / h:>13.1%} {lh:>10.1f}{la:>10.1f}{statistics.median(cpus[mode]):>10.3f}")
+        base = statistics.median(wall[("headless", mode)])
+        for run in RUNS:
+            w = statistics.median(wall[(run, mode)])
+            lp = statistics.median(loop[(run, mode)])
+            cpu = f"{statistics.median(cpus[(run, mode)]):>10.2f}" if (run, mode) in cpus else f"{'':>10}"
+            spread = f"{min(wall[(run, mode)]):.1f}-{max(wall[(run, mode)]):.1f}"
+            print(f"{mode:<12}{run:<18}{w:>13.1f}{spread:>14}{w / base:>10.1%} {lp:>11.1f}{cpu}")
     if profiler is not None:
         profiler.dump_stats(args.profile)
         stats = pstats.Stats(args.profile)

@@ -22,6 +22,7 @@ from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import NOT_MEASURED, ChatApp
 from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 from dflash_gguf.tui.provenance import Provenance
 from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
 
@@ -84,6 +85,18 @@ async def send_and_wait(pilot: Pilot, prompt: str) -> None:
     pilot.app.query_one("#prompt").focus()
     await pilot.press(*prompt)
     await press_and_wait(pilot, "enter")
+
+
+async def send_and_watch(pilot: Pilot, prompt: str, seen: list[dict[str, str]]) -> None:
+    """Send a prompt; record the panel's figures as drawn while the reply streams, and once it finished."""
+    app: ChatApp = pilot.app  # type: ignore[assignment]
+    await send(pilot, prompt)
+    await pilot.pause(0.05)
+    while app.busy:
+        seen.append(figures(app))
+        await pilot.pause(0.05)
+    await pilot.pause()
+    seen.append(figures(app))
 
 
 def replies(app: ChatApp) -> list[AssistantMessage]:
@@ -159,9 +172,9 @@ def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> 
         kinds = {provenance for _, provenance in chunk.pieces}
         assert Provenance.BONUS in kinds
 
-        # the key in the stats panel draws all three kinds, each in its own colour
+        # the key in the stats panel draws all four kinds, each in its own colour
         legend = app.query_one("#legend", TokenChunk)
-        assert len({s.color for s in rendered_styles(legend)}) == 3
+        assert len({s.color for s in rendered_styles(legend)}) == 4
 
         await pilot.press("ctrl+t")
         assert len({s.color for s in rendered_styles(chunk)}) == 1, "colouring off: every token in one colour"
@@ -290,6 +303,95 @@ def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(s
         assert any(shown["speedup"] != NOT_MEASURED for shown in seen), "enough plain cycles for a figure"
 
     run_app(app, scenario)
+
+
+def test_an_adaptive_reply_that_chose_plain_reads_one_within_its_probes_or_not_measured(session) -> None:
+    """A speculative reply whose controller kept to plain decoding (the random-weight drafter never pays),
+    with the probe drafts it tries now and then: its own plain cycles are its baseline, and the figure is
+    1.0x but for what the probes cost or gained, never a figure against another run's baseline."""
+    adaptive = options(max_tokens=200, block_size=None)
+    # from an empty cache: the controller's first calibration fails after a plain generation left the
+    # drafter behind the target (a Session bug, reported; not what this test is about)
+    session.reset()
+    # the controller lives as long as the Session: a first reply teaches it that drafts do not pay
+    session.chat([{"role": "user", "content": SHORT_PROMPT}], **adaptive.generation.session_kwargs())
+    app = ChatApp(session, adaptive)
+    seen: list[dict[str, str]] = []
+
+    run_app(app, lambda pilot: send_and_watch(pilot, LONG_PROMPT, seen))
+    b = app.last_stats.builder
+    drafted_cycles = sum(counts[0] for counts in b.sources.values())
+    if not (b.plain_cycles > 32 and drafted_cycles <= b.cycles // 32 + 1):
+        # the premise did not occur: since the runtime's new calibration the controller drafts with this
+        # drafter (reported to the lead); the rule below is then checked by the other like-for-like tests
+        pytest.skip(f"the controller did not keep to plain ({b.plain_cycles}/{b.cycles} plain cycles)")
+    # the probes' share of the loop's time bounds how far from 1.0 the reply's own figure can be
+    probe_share = 1 - b.plain_loop_s / b.loop_s
+    for shown in seen:
+        if shown["speedup"] == NOT_MEASURED:
+            assert shown["plain"] == NOT_MEASURED
+            continue
+        assert shown["plain"].endswith("in reply")
+        assert number(shown["speedup"]) == pytest.approx(1.0, abs=probe_share + 0.01)
+    assert seen[-1]["speedup"] != NOT_MEASURED, "a 200-token reply has enough plain cycles for a figure"
+
+
+COPY_PROMPT = (
+    "Repeat this text exactly: The quick brown fox jumps over the lazy dog. "
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog."
+)
+
+
+def test_lookup_next_to_the_drafter_colours_copied_tokens_and_counts_them(dflash_gguf_path) -> None:
+    """--lookup: n-gram lookup drafts next to the drafter; a copy-heavy reply shows lookup's own colour and
+    its acceptance in the stats panel."""
+    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=2, lookup=True) as both:
+        app = ChatApp(both, options(max_tokens=48, block_size=None))
+
+        async def scenario(pilot: Pilot) -> None:
+            await send_and_wait(pilot, COPY_PROMPT)
+            [reply] = replies(app)
+            chunk = reply.query_one(TokenChunk)
+            kinds = {provenance for _, provenance in chunk.pieces}
+            assert Provenance.LOOKUP in kinds, "copied tokens came from lookup"
+            lookup_style = chunk.get_component_rich_style("token--lookup")
+            others = {chunk.get_component_rich_style(f"token--{p.value}") for p in Provenance if p is not Provenance.LOOKUP}
+            assert lookup_style not in others and lookup_style.color not in {s.color for s in others}
+            assert lookup_style in rendered_styles(chunk)
+            sources = rows(app, "#sources")
+            lookup = app.last_stats.per_source()["lookup"]
+            assert lookup.n_accepted > 0
+            assert sources["lookup"] == f"{lookup.n_accepted}/{lookup.n_drafted} accepted ({lookup.acceptance_rate:.0%})"
+            assert "DFlash" in sources, "the drafter is named by its kind"
+            assert "DFlash + lookup" in str(app.sub_title)
+
+        run_app(app, scenario)
+
+
+def test_a_dspark_drafter_is_named_and_its_confidence_head_set_against_acceptance(dspark) -> None:
+    """The panel names the drafter's kind, and for a DSpark confidence head shows the mean predicted
+    confidence against the observed acceptance: dflash_gguf.stats' Calibration, the Session's own figure."""
+    _, gguf = dspark("anchor")  # a reference-built DSpark checkpoint with a confidence head
+    with Session(None, gguf, n_ctx=1024, n_threads=2) as session:
+        app = ChatApp(session, options(max_tokens=16))
+
+        async def scenario(pilot: Pilot) -> None:
+            await send_and_wait(pilot, SHORT_PROMPT)
+            assert "DSpark" in str(app.sub_title)
+            sources = rows(app, "#sources")
+            calibration = app.last_generation.confidence
+            assert calibration is not None and calibration.slots > 0
+            assert calibration == app.last_stats.calibration, "the panel's figure is the Session's own"
+            assert sources["conf."] == f"{calibration.predicted:.2f} predicted · {calibration.observed:.2f} seen"
+            dspark_stats = app.last_generation.per_source["dspark"]
+            assert sources["DSpark"] == f"{dspark_stats.n_accepted}/{dspark_stats.n_drafted} accepted ({dspark_stats.acceptance_rate:.0%})"
+
+        run_app(app, scenario)
+
+
+def rows(app: ChatApp, selector: str) -> dict[str, str]:
+    text = str(app.query_one(selector, Static).content)
+    return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
 
 
 def test_speedup_divides_the_replys_loop_speed_by_the_same_uis_plain_run(session) -> None:
@@ -424,10 +526,11 @@ def test_the_embedded_defaults_draft_in_the_chat() -> None:
 
 
 def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> None:
-    """The embedded pair, adaptive: the same generation headless and inside the app, one after the other.
+    """The embedded pair, adaptive: the same generation headless and inside the app on the default worker
+    (a ProcessWorker), one after the other.
 
-    Prints the app's overhead (the Session's own decode tok/s inside the app / headless); asserts only the
-    like-for-like rule, because the overhead depends on what else the machine runs.
+    Prints the app's overhead (decode tok/s measured by the worker inside the app / headless); asserts only
+    the like-for-like rule, because the overhead depends on what else the machine runs.
     """
     try:
         embedded_drafter()
@@ -436,36 +539,33 @@ def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> Non
     messages = [{"role": "user", "content": LONG_PROMPT}]
     chat = options(max_tokens=64, block_size=None)
     gen = chat.generation.session_kwargs(speculative=True)
-    with Session(n_ctx=1024, n_threads=2) as embedded:
+    spec = SessionSpec(n_ctx=1024, n_threads=2)
+    with spec.open() as embedded, ProcessWorker(spec) as worker:
         embedded.chat(messages, **gen)  # warm-up: the adaptive controller measures its costs once
         embedded.reset()
         headless = embedded.chat(messages, **gen).stats
-        embedded.reset()
-        app = ChatApp(embedded, chat)
-        shown_while_streaming: list[dict[str, str]] = []
+        app = ChatApp(worker, chat)
+        seen: list[dict[str, str]] = []
 
         async def scenario(pilot: Pilot) -> None:
-            await send(pilot, LONG_PROMPT)
-            await pilot.pause(0.05)
-            while app.busy:
-                shown_while_streaming.append(figures(app))
-                await pilot.pause(0.1)
-            await pilot.pause()
-            final.update(figures(app))
+            await send_and_watch(pilot, LONG_PROMPT, [])  # the worker's warm-up, as headless had
+            await pilot.press("ctrl+n")
+            worker.reset()
+            await send_and_watch(pilot, LONG_PROMPT, seen)
 
-        final: dict[str, str] = {}
         run_app(app, scenario)
-        inside = embedded.last_stats
+        inside = app.last_generation
         reply = app.last_stats
     print(
         f"\napp overhead: decode {inside.decode_tokens_per_s:.1f} tok/s in the app vs "
         f"{headless.decode_tokens_per_s:.1f} headless = {inside.decode_tokens_per_s / headless.decode_tokens_per_s:.1%}"
-        f" (loop {inside.n_tokens / inside.loop_s:.1f} vs {headless.n_tokens / headless.loop_s:.1f} tok/s;"
+        f" (loop {inside.loop_tokens_per_s:.1f} vs {headless.loop_tokens_per_s:.1f} tok/s;"
         f" {inside.plain_cycles}/{inside.cycles} plain cycles in the app)"
     )
     assert inside.n_tokens == headless.n_tokens, "the same generation both ways"
     # no compare run has happened: the only admissible baseline is the reply's own plain cycles
-    for shown in shown_while_streaming + [final]:
+    final = seen[-1]
+    for shown in seen:
         if shown["speedup"] == NOT_MEASURED:
             assert shown["plain"] == NOT_MEASURED
         else:

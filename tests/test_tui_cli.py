@@ -43,6 +43,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         (["--n-ctx", "8"], "--n-ctx"),
         (["--n-gpu-layers", "-2"], "--n-gpu-layers"),
         (["--seed", "x"], "--seed"),
+        (["--worker", "fork"], "--worker"),
     ],
 )
 def test_bad_flag_is_one_line_exit_2(args: list[str], needle: str) -> None:
@@ -59,10 +60,11 @@ def test_missing_drafter_file_is_one_line_exit_2(tmp_path) -> None:
     assert_one_line_error(run_chat("--drafter", str(missing)), "--drafter", "no such file")
 
 
-def test_target_that_is_not_gguf_is_one_line_exit_2(tmp_path) -> None:
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_target_that_is_not_gguf_is_one_line_exit_2(tmp_path, worker: str) -> None:
     bogus = tmp_path / "notes.gguf"
     bogus.write_text("this is not a model\n")
-    assert_one_line_error(run_chat("--target", str(bogus)), str(bogus))
+    assert_one_line_error(run_chat("--target", str(bogus), "--worker", worker), str(bogus))
 
 
 def test_drafter_that_is_not_a_drafter_is_one_line_exit_2(embedded_target) -> None:
@@ -78,5 +80,5 @@ def test_help_exits_0() -> None:
     result = run_chat("--help")
     assert result.returncode == 0
     for flag in ("--target", "--drafter", "--n-gpu-layers", "--n-ctx", "--block-size", "--temperature",
-                 "--top-p", "--top-k", "--seed", "--system", "--max-tokens"):
+                 "--top-p", "--top-k", "--seed", "--system", "--max-tokens", "--lookup", "--no-lookup", "--worker"):
         assert flag in result.stdout

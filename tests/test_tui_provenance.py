@@ -19,10 +19,12 @@ def steps(dflash_gguf_path):
         return list(session.stream("Naïve café — tell me a story:", max_tokens=24, block_size=4))
 
 
-def test_every_source_has_a_colour() -> None:
-    assert display(TokenSource.DRAFT) is display(TokenSource.LOOKUP) is Provenance.DRAFT
+def test_every_source_has_a_colour_and_lookup_its_own() -> None:
+    assert display(TokenSource.DRAFT) is Provenance.DRAFT
+    assert display(TokenSource.LOOKUP) is Provenance.LOOKUP
     assert display(TokenSource.BONUS) is Provenance.BONUS
     assert display(TokenSource.PLAIN) is display(TokenSource.PREFILL) is Provenance.PLAIN
+    assert {display(s) for s in TokenSource} == set(Provenance)
 
 
 def test_pieces_give_back_each_steps_text_with_its_sources_colour(steps) -> None:

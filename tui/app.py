@@ -1,32 +1,33 @@
-"""The dflash-chat App: composes the transcript, prompt and stats panel, and drives the worker.
+"""The dflash-chat App: composes the transcript, prompt and stats panel, and drives the reply worker.
 
-All Session work happens on a worker thread (SessionWorker). The worker appends each Step to the
-reply's inbox; a timer drains it 5 times a second, appends the new text to the token view in one piece
-per provenance run, and redraws the stats panel at most twice a second, only when a figure changed.
-The UI costs the decoder as little as it can (docs/TUI.md has the profile and the figures).
+All Session work happens in a reply worker (tui/worker.py: a thread; tui/process_worker.py: a process).
+The worker appends each Step to the reply's inbox; a timer drains it 5 times a second, appends the new
+text to the token view in one piece per provenance run, and redraws the stats panel at most twice a
+second, only when a figure changed. The UI costs the decoder as little as it can (docs/TUI.md has the
+profile and the figures).
 
-The speedup shown is always like for like: the reply's loop speed over plain decoding measured under the
-same conditions, either the reply's own plain cycles or a compare run (Ctrl+G) streamed through this UI.
-Without one the panel says "not measured yet"; a headless measurement is never the baseline.
+The speedup shown is always like for like (dflash_gguf.stats.Baseline): the reply's loop speed over plain
+decoding measured under the same conditions, either the reply's own plain cycles or a compare run
+(Ctrl+G) streamed through this UI. Without one the panel says "not measured yet".
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from textual import on, work
+from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input
 
 from dflash_gguf.session import Session
-from dflash_gguf.tui.commands import ChatCommands
+from dflash_gguf.stats import Baseline, BaselineSource, GenerationStats
 from dflash_gguf.steps import Step, StepKind
+from dflash_gguf.tui.commands import ChatCommands
 from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
 from dflash_gguf.tui.options import ChatOptions
 from dflash_gguf.tui.provenance import pieces_of_steps
@@ -38,35 +39,35 @@ from dflash_gguf.tui.widgets import (
     TokenChunk,
     Transcript,
     UserMessage,
+    source_name,
 )
-from dflash_gguf.tui.worker import SessionWorker
+from dflash_gguf.tui.worker import ReplyWorker, ThreadWorker
 
 # how often buffered cycles are drawn: fast enough to look live, slow enough to batch many cycles
 FLUSH_INTERVAL_S = 1 / 5
 # the stats panel is redrawn at most this often (and only when a figure changed)
 STATS_INTERVAL_S = 1 / 2
-# while the app runs, the interpreter hands the GIL over this often (CPython's default is 5 ms): the decode
-# loop returns from every C call needing the GIL back, and a UI thread busy drawing held it that long each
-# time (docs/TUI.md measures the effect)
+# while the app runs, the interpreter hands the GIL over this often (CPython's default is 5 ms): a decode
+# loop on a thread of this process returns from every C call needing the GIL back, and a UI thread busy
+# drawing held it that long each time (docs/TUI.md measures the effect)
 GIL_SWITCH_INTERVAL_S = 0.0005
 BUSY_HINT = "Still generating — Esc cancels it."
-NOT_MEASURED = "not measured yet"
+NOT_MEASURED = BaselineSource.NONE.value
 
 
 @dataclass
 class Reply:
     """The reply being generated: its widget, counters and the cycles not drawn yet."""
 
-    turn: int
+    ticket: int
     widget: AssistantMessage
     speculative: bool
-    cancel: threading.Event = field(default_factory=threading.Event)
+    # Steps appended by the worker, drained by the UI timer
+    inbox: list[Step]
     stats: ReplyStats = field(default_factory=ReplyStats)
     parts: list[str] = field(default_factory=list)
     # why the Session stopped, when it says so in a closing Step that decoded nothing (the context is full)
     closing_note: str = ""
-    # (Step, perf_counter when the worker received it), appended by the worker, drained by the UI timer
-    inbox: list[tuple[Step, float]] = field(default_factory=list)
     # the stats version last drawn on the panel
     drawn: tuple[int, int] | None = None
 
@@ -92,10 +93,13 @@ class ChatApp(App[None]):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, session: Session, options: ChatOptions | None = None) -> None:
+    def __init__(self, worker: ReplyWorker | Session, options: ChatOptions | None = None) -> None:
+        """`worker` runs the replies; a Session is run on a ThreadWorker that the app closes when it exits
+        (a worker passed in is closed by whoever opened it)."""
         super().__init__()
         self.options = options or ChatOptions()
-        self.session_worker = SessionWorker(session, self.post_message)
+        self._owns_worker = isinstance(worker, Session)
+        self.worker: ReplyWorker = ThreadWorker(worker) if isinstance(worker, Session) else worker
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
         # a reply running, or one whose worker has not answered yet
@@ -104,9 +108,10 @@ class ChatApp(App[None]):
         self.last_stats = ReplyStats()
         self.last_reply_speed: float | None = None
         self.last_reply_text: str | None = None
+        # the Session's own figures of the last reply that ran to its end (measured where the Session runs)
+        self.last_generation: GenerationStats | None = None
         # the loop speed of the last compare run: plain decoding streamed through this UI
         self.compare_plain_tokens_per_s: float | None = None
-        self._turns = 0
         self._stats_drawn_at = 0.0
 
     def compose(self) -> ComposeResult:
@@ -115,7 +120,7 @@ class ChatApp(App[None]):
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
                 yield PromptInput(placeholder="Ask something — Enter sends, ↑ recalls", id="prompt")
-            yield StatsPanel(hide_timing=self.options.hide_timing, id="stats")
+            yield StatsPanel(self.worker.info, hide_timing=self.options.hide_timing, id="stats")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -127,7 +132,10 @@ class ChatApp(App[None]):
         self.query_one(PromptInput).focus()
 
     def on_unmount(self) -> None:
-        self.session_worker.closing.set()
+        if self.reply is not None:
+            self.worker.cancel(self.reply.ticket)
+        if self._owns_worker:
+            self.worker.close()
         sys.setswitchinterval(self._switch_interval)
 
     @property
@@ -142,7 +150,11 @@ class ChatApp(App[None]):
         gen = self.options.generation
         block = "adaptive" if gen.block_size is None else str(gen.block_size)
         sampling = "greedy" if gen.temperature == 0 else f"T={gen.temperature:g}"
-        return f"block {block} · {sampling} · max {gen.max_tokens} tokens"
+        info = self.worker.info
+        sources = [source_name(info.drafter_kind)] if info.drafter_kind else []
+        sources += ["lookup"] if info.lookup else []
+        drafts = " + ".join(sources) or "no drafts"
+        return f"{drafts} · block {block} · {sampling} · max {gen.max_tokens} tokens"
 
     # ---- sending and generating -------------------------------------------------------------
 
@@ -166,46 +178,26 @@ class ChatApp(App[None]):
         return system + self.history
 
     def _start_reply(self, messages: list[dict[str, str]], *, speculative: bool) -> None:
-        self._turns += 1
         role = "assistant" if speculative else "assistant · plain decoding (compare)"
         widget = AssistantMessage(role)
         if not speculative:
             widget.add_class("-compare")
-        self.reply = Reply(self._turns, widget, speculative)
+        # the worker's messages are handled on this thread, after this method: the reply is set by then
+        inbox: list[Step] = []
+        gen = self.options.generation.session_kwargs(speculative=speculative)
+        ticket = self.worker.reply(messages, gen, inbox, self.post_message)
+        self.reply = Reply(ticket, widget, speculative, inbox)
         self.transcript.mount(widget)
         self.busy = True
         self._show_stats(self.reply.stats)
-        gen = self.options.generation.session_kwargs(speculative=speculative)
-        self._generate(self.reply.turn, messages, gen, self.reply.cancel, self.reply.inbox)
-
-    @work(thread=True, group="session")
-    def _generate(
-        self,
-        turn: int,
-        messages: list[dict[str, str]],
-        gen: dict[str, Any],
-        cancel: threading.Event,
-        inbox: list[tuple[Step, float]],
-    ) -> None:
-        self.session_worker.reply(turn, messages, gen, cancel, inbox)
-
-    def baseline(self, stats: ReplyStats) -> tuple[float | None, str]:
-        """Plain decoding measured under the same conditions as `stats`' reply, and where it came from:
-        the reply's own plain cycles first, else the last compare run streamed through this UI."""
-        own = stats.in_reply_plain_tokens_per_s
-        if own is not None:
-            return own, "in reply"
-        if self.compare_plain_tokens_per_s is not None:
-            return self.compare_plain_tokens_per_s, "compare"
-        return None, NOT_MEASURED
 
     def _show_stats(self, stats: ReplyStats) -> None:
-        baseline, note = self.baseline(stats)
-        self.stats_panel.show(stats, baseline, note)
+        baseline = Baseline.choose(stats.in_reply_plain_tokens_per_s, self.compare_plain_tokens_per_s)
+        self.stats_panel.show(stats, baseline)
 
-    def _current(self, turn: int) -> Reply | None:
+    def _current(self, ticket: int) -> Reply | None:
         """The reply a worker message belongs to, or None if that reply was discarded (new chat)."""
-        return self.reply if self.reply is not None and self.reply.turn == turn else None
+        return self.reply if self.reply is not None and self.reply.ticket == ticket else None
 
     def _flush(self, *, final: bool = False) -> None:
         """Draw what the worker committed since the last flush: text every time, the panel at a bounded rate."""
@@ -214,11 +206,10 @@ class ChatApp(App[None]):
             return
         n = len(reply.inbox)
         if n:
-            arrived = reply.inbox[:n]
+            steps = reply.inbox[:n]
             del reply.inbox[:n]  # the worker may be appending: only what was read goes
-            steps = [step for step, _ in arrived]
-            for step, at in arrived:
-                reply.stats.observe(step, at)
+            for step in steps:
+                reply.stats.observe(step)
                 reply.parts.append(step.text)
                 if step.kind is StepKind.CONTEXT_FULL:
                     reply.closing_note = step.reason
@@ -235,7 +226,7 @@ class ChatApp(App[None]):
             self._show_stats(reply.stats)
 
     def on_reply_finished(self, message: ReplyFinished) -> None:
-        reply = self._current(message.turn)
+        reply = self._current(message.ticket)
         if reply is None:
             return
         if not reply.widget.ready:  # a reply that ended before its widget was composed
@@ -250,8 +241,9 @@ class ChatApp(App[None]):
             if reply.closing_note:
                 status += f" ({reply.closing_note})"
                 self.notify(f"{reply.closing_note} — Ctrl+N starts a new chat", severity="warning")
-            if message.cached_tokens is not None:
-                status += f" · prompt {message.prompt_tokens} tokens, {message.cached_tokens} cached"
+            if message.stats is not None:
+                self.last_generation = message.stats
+                status += f" · prompt {message.stats.n_prompt_tokens} tokens, {message.stats.n_cached_tokens} cached"
         reply.widget.finish(text, status)
         if reply.speculative:
             self.last_stats = reply.stats
@@ -272,7 +264,7 @@ class ChatApp(App[None]):
         self._refresh_stats()
 
     def on_reply_failed(self, message: ReplyFailed) -> None:
-        reply = self._current(message.turn)
+        reply = self._current(message.ticket)
         if reply is None:
             return
         if not reply.widget.ready:
@@ -296,12 +288,12 @@ class ChatApp(App[None]):
     def action_cancel(self) -> None:
         """Stop the running reply at its next cycle; what it has produced is kept."""
         if self.reply is not None:
-            self.reply.cancel.set()
+            self.worker.cancel(self.reply.ticket)
 
     def action_new_chat(self) -> None:
         """Forget the conversation and clear the view (a running reply is cancelled and discarded)."""
         if self.reply is not None:
-            self.reply.cancel.set()
+            self.worker.cancel(self.reply.ticket)
             self.reply = None
             self.busy = False
         self.history.clear()
@@ -352,9 +344,8 @@ class ChatApp(App[None]):
         self.stats_panel.display = not self.stats_panel.display
 
     async def action_quit(self) -> None:
-        self.session_worker.closing.set()
         if self.reply is not None:
-            self.reply.cancel.set()
+            self.worker.cancel(self.reply.ticket)
         self.exit()
 
     def chat_commands(self) -> list[tuple[str, str, Any]]:
@@ -364,6 +355,6 @@ class ChatApp(App[None]):
             ("Regenerate", "Generate the last reply again", self.action_regenerate),
             ("Cancel generation", "Stop the running reply, keep what it produced", self.action_cancel),
             ("Compare with plain decoding", "Rerun the last prompt without drafts; both speeds side by side", self.action_compare),
-            ("Toggle provenance colours", "Colour tokens by draft / bonus / plain", self.action_toggle_colours),
+            ("Toggle provenance colours", "Colour tokens by drafter / lookup / bonus / plain", self.action_toggle_colours),
             ("Toggle stats panel", "Show or hide the live statistics", self.action_toggle_stats),
         ]

@@ -18,6 +18,9 @@ from dflash_gguf.tui.options import ChatOptions, GenerationOptions
 PROG = "dflash-chat"
 # below this the chat template and a short prompt no longer fit
 MIN_N_CTX = 64
+WORKERS = ("process", "thread")
+# chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
+DEFAULT_WORKER = "process"
 
 
 def _int_at_least(minimum: int):
@@ -58,6 +61,11 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--seed", type=_int_at_least(0), default=None)
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="tokens per reply")
+    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                        help="n-gram lookup drafts (copies from the conversation) next to the drafter; "
+                             "default: on only without a drafter")
+    parser.add_argument("--worker", choices=WORKERS, default=DEFAULT_WORKER,
+                        help=f"where the Session runs: its own process, or a thread of the UI's (default: {DEFAULT_WORKER})")
     return parser
 
 
@@ -92,32 +100,46 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def _open_worker(args: argparse.Namespace):
+    """The reply worker with its Session open, so a bad file fails before the UI takes the terminal."""
+    from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
+
+    spec = SessionSpec(args.target, args.drafter, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers,
+                       n_threads=args.n_threads, lookup=args.lookup)
+    if args.worker == "process":
+        return ProcessWorker(spec), None
+    from dflash_gguf.tui.worker import ThreadWorker
+
+    session = spec.open()
+    return ThreadWorker(session), session
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, options = parse_options(argv)
-    # imported late: `--help` and flag errors stay instant
-    from dflash_gguf.session import Session
-
     print(f"{PROG}: loading models…", file=sys.stderr, flush=True)
     try:
-        session = Session(
-            args.target,
-            args.drafter,
-            n_ctx=args.n_ctx,
-            n_gpu_layers=args.n_gpu_layers,
-            n_threads=args.n_threads,
-        )
+        worker, session = _open_worker(args)
     except (ValueError, OSError, RuntimeError) as error:  # files that are not a usable target/drafter pair
         lines = str(error).strip().splitlines()
         return _fail(lines[0] if lines else type(error).__name__)
-    with session:
-        drafter = session.drafter
-        if drafter is None:
-            print(f"{PROG}: no drafter, every reply is plain decoding (--drafter FILE adds one)", file=sys.stderr)
-        elif args.block_size is not None and args.block_size > drafter.block_size:
-            return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {drafter.block_size}")
+    try:
+        info = worker.info
+        if info.drafter_kind is None and not info.lookup:
+            print(f"{PROG}: no drafter and no lookup, every reply is plain decoding (--drafter FILE adds one)",
+                  file=sys.stderr)
+        elif info.drafter_kind is None:
+            print(f"{PROG}: no drafter: replies speculate with n-gram lookup only (--drafter FILE adds one)",
+                  file=sys.stderr)
+        if args.block_size is not None and info.drafter_block_size is not None and args.block_size > info.drafter_block_size:
+            return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {info.drafter_block_size}")
+        # imported late: `--help` and flag errors stay instant
         from dflash_gguf.tui.app import ChatApp
 
-        ChatApp(session, options).run()
+        ChatApp(worker, options).run()
+    finally:
+        worker.close()
+        if session is not None:
+            session.close()
     return 0
 
 

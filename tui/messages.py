@@ -1,37 +1,33 @@
-"""Messages the worker thread posts to the app when a reply ends (its Steps go through the reply's inbox)."""
+"""Messages a reply worker posts to the app when a reply ends (its Steps go through the reply's inbox)."""
 
 from __future__ import annotations
 
 from textual.message import Message
 
+from dflash_gguf.stats import GenerationStats
+
 
 class ReplyFinished(Message):
-    """Reply `turn` ended: the Session's finish reason, or cancelled by the user.
+    """Reply `ticket` ended: the Session's finish reason, or cancelled by the user.
 
-    `prompt_tokens` / `cached_tokens`: the prompt's length and how much of it the Session found in its
-    KV cache (prefix reuse), when the reply ran to its end.
+    `stats`: the Session's own figures of a reply that ran to its end (prompt length, how much of it
+    was found in the KV cache, the decode rates measured where the Session runs).
     """
 
     def __init__(
-        self,
-        turn: int,
-        finish_reason: str | None,
-        cancelled: bool,
-        prompt_tokens: int | None = None,
-        cached_tokens: int | None = None,
+        self, ticket: int, finish_reason: str | None, cancelled: bool, stats: GenerationStats | None = None
     ) -> None:
         super().__init__()
-        self.turn = turn
+        self.ticket = ticket
         self.finish_reason = finish_reason
         self.cancelled = cancelled
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = cached_tokens
+        self.stats = stats
 
 
 class ReplyFailed(Message):
-    """Reply `turn` raised; `error` is the one-line message to show."""
+    """Reply `ticket` raised, or its worker died; `error` is the one-line message to show."""
 
-    def __init__(self, turn: int, error: str) -> None:
+    def __init__(self, ticket: int, error: str) -> None:
         super().__init__()
-        self.turn = turn
+        self.ticket = ticket
         self.error = error

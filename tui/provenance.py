@@ -1,4 +1,4 @@
-"""How the chat colours a token: the decode loop's TokenSource folded into the three kinds it draws.
+"""How the chat colours a token: the decode loop's TokenSource folded into the four kinds it draws.
 
 Each Step carries `spans`, (text, TokenSource) pieces whose texts join to the Step's text, computed by
 the loop itself from the bytes it detokenized; the UI only maps each source to a colour class.
@@ -15,7 +15,8 @@ from dflash_gguf.steps import Step, TokenSource
 class Provenance(Enum):
     """What the chat colours a committed token as."""
 
-    DRAFT = "draft"  # proposed by a draft source (drafter or lookup) and accepted by the target
+    DRAFT = "draft"  # proposed by the drafter (DFlash, DFlash2, DSpark) and accepted by the target
+    LOOKUP = "lookup"  # proposed by the n-gram lookup (copied from the context) and accepted by the target
     BONUS = "bonus"  # the target's own next token at the end of a verified block
     PLAIN = "plain"  # decoded by the target alone (the prefill's token, or a cycle without drafts)
 
@@ -26,7 +27,7 @@ _DISPLAY = {
     TokenSource.PREFILL: Provenance.PLAIN,
     TokenSource.PLAIN: Provenance.PLAIN,
     TokenSource.DRAFT: Provenance.DRAFT,
-    TokenSource.LOOKUP: Provenance.DRAFT,
+    TokenSource.LOOKUP: Provenance.LOOKUP,
     TokenSource.BONUS: Provenance.BONUS,
 }
 

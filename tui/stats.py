@@ -1,16 +1,16 @@
 """Running statistics of one reply, folded in Step by Step: a view of dflash_gguf.stats, never a second model.
 
-Every decoding figure (τ, drafted, accepted, the per-slot acceptance, the loop's own speed, the rate of
-the reply's own plain cycles) comes from the one StatsBuilder the Session uses. What this adds is only
-what a live view needs on top: the sparkline's recent cycles, the latest block and reason, and the
-wall-clock rate at which the worker received the Steps (the overhead benchmark's figure).
+Every decoding figure (τ, drafted, accepted, per source, per slot, the loop's own speed, the rate of the
+reply's own plain cycles, the confidence head's calibration) comes from the one StatsBuilder the Session
+uses. What this adds is only what a live view needs on top: the sparkline's recent cycles and the
+latest block and reason.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from dflash_gguf.stats import StatsBuilder
+from dflash_gguf.stats import Calibration, SourceStats, StatsBuilder
 from dflash_gguf.steps import Step, StepKind
 
 # the sparkline shows this many most recent cycles, one bar each
@@ -18,7 +18,7 @@ SPARKLINE_CYCLES = 48
 
 
 class ReplyStats:
-    """Counters of one reply; `observe` takes each Step with the perf_counter time the worker received it."""
+    """Counters of one reply, fed every Step in order."""
 
     def __init__(self) -> None:
         self.builder = StatsBuilder()
@@ -26,18 +26,12 @@ class ReplyStats:
         self.block_size: int | None = None
         self.reason = ""
         self.prefill_s: float | None = None
-        self._first_at: float | None = None
-        self._last_at: float | None = None
-        self._tokens_after_first = 0
 
-    def observe(self, step: Step, at: float) -> None:
+    def observe(self, step: Step) -> None:
         self.builder.add(step)
-        self._last_at = at
         if step.kind is StepKind.PREFILL:
-            self._first_at = at
             self.prefill_s = step.verify_s
             return
-        self._tokens_after_first += len(step.tokens)
         if step.kind is StepKind.CONTEXT_FULL:
             return
         self.recent_accepted.append(step.n_accepted)
@@ -79,17 +73,16 @@ class ReplyStats:
         """The rate of this reply's own plain cycles, once there are enough of them to be a baseline."""
         return self.builder.in_reply_plain_tokens_per_s
 
+    def per_source(self) -> dict[str, SourceStats]:
+        return self.builder.per_source
+
     @property
-    def wall_tokens_per_s(self) -> float | None:
-        """Tokens per second as the worker received them after the prefill (consumer time included)."""
-        if self._first_at is None or self._last_at is None or self._last_at <= self._first_at:
-            return None
-        return self._tokens_after_first / (self._last_at - self._first_at)
+    def calibration(self) -> Calibration | None:
+        return self.builder.calibration
 
     def slot_rates(self) -> list[float]:
         """How often each block slot's draft token was accepted, among cycles that drafted it."""
-        b = self.builder
-        return [a / d for a, d in zip(b.slot_accepted, b.slot_drafted) if d]
+        return self.builder.acceptance_by_slot
 
     def version(self) -> tuple[int, int]:
         """Changes whenever a figure does: the panel redraws only then."""

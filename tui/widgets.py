@@ -16,20 +16,26 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Static
 
-from dflash_gguf.tui.provenance import Piece, Provenance
+from dflash_gguf.stats import Baseline, Calibration, SourceStats
 from dflash_gguf.stats import speedup as speedup_of
+from dflash_gguf.tui.provenance import Piece, Provenance
 from dflash_gguf.tui.stats import ReplyStats
+from dflash_gguf.tui.worker import SessionInfo
 
 # a streamed reply is split into chunk widgets at a newline once a chunk holds this many characters,
 # so each repaint re-renders one bounded chunk and a long reply costs linear, not quadratic, time
 CHUNK_CHARS = 512
 HIDDEN = "··"
 LEGEND: tuple[Piece, ...] = (
-    ("accepted draft", Provenance.DRAFT),
+    ("drafter", Provenance.DRAFT),
+    (" · ", Provenance.PLAIN),
+    ("lookup", Provenance.LOOKUP),
     (" · ", Provenance.PLAIN),
     ("bonus", Provenance.BONUS),
     (" · plain", Provenance.PLAIN),
 )
+# how the panel names a draft source (Step.source: the drafter's kind, or lookup)
+SOURCE_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "lookup": "lookup"}
 COMPARE_HINT = "^g reruns the last prompt\nwithout drafts"
 
 
@@ -274,6 +280,22 @@ class AcceptanceHistogram(Widget):
         return text
 
 
+def source_name(source: str) -> str:
+    return SOURCE_NAMES.get(source, source)
+
+
+def _source_row(stats: SourceStats | None) -> str:
+    if stats is None or not stats.n_drafted:
+        return "no drafts yet"
+    return f"{stats.n_accepted}/{stats.n_drafted} accepted ({stats.acceptance_rate:.0%})"
+
+
+def _calibration_row(calibration: Calibration | None) -> str:
+    if calibration is None:
+        return "no confidences yet"
+    return f"{calibration.predicted:.2f} predicted · {calibration.observed:.2f} seen"
+
+
 def _speed(value: float | None, hide: bool) -> str:
     if value is None:
         return "—"
@@ -295,17 +317,19 @@ def _ratio(value: float | None, hide: bool) -> str:
 class StatsPanel(VerticalScroll):
     """Live figures of the running (or last) reply, and the measured plain-decoding baseline."""
 
-    def __init__(self, *, hide_timing: bool, **kwargs: object) -> None:
+    def __init__(self, info: SessionInfo, *, hide_timing: bool, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.info = info
         self.hide_timing = hide_timing
-        self._figures = ""
-        self._laid_out = 0
+        self._drawn: dict[str, tuple[str, int]] = {}  # selector -> (text, wrapped lines) last drawn
 
     def compose(self) -> ComposeResult:
         yield Label("speculative decoding", classes="heading")
         # the key to the transcript's colours, drawn by the same widget so it restyles with them
         yield TokenChunk(LEGEND, id="legend")
         yield Static(id="figures", markup=False)
+        yield Label("draft sources", classes="heading")
+        yield Static(id="sources", markup=False)
         yield Label("acceptance by block slot", classes="heading")
         yield AcceptanceHistogram(id="histogram")
         yield Label("accepted tokens per cycle", classes="heading")
@@ -313,16 +337,16 @@ class StatsPanel(VerticalScroll):
         yield Label("compare with plain decoding", classes="heading")
         yield Static(COMPARE_HINT, id="compare", markup=False)
 
-    def show(self, stats: ReplyStats, baseline: float | None, baseline_note: str) -> None:
+    def show(self, stats: ReplyStats, baseline: Baseline) -> None:
         """Redraw from the current counters. `baseline`: plain decoding measured under the same conditions
-        (this reply's own plain cycles, or a compare run streamed through this UI) and `baseline_note`
-        which one; with no baseline the note says why there is no speedup figure."""
+        (dflash_gguf.stats.Baseline); without one, the rows say there is no speedup figure."""
         hide = self.hide_timing
         speed = stats.tokens_per_s
+        note = baseline.source.value
         rows = [
             ("decode", _speed(speed, hide)),
-            ("plain", baseline_note if baseline is None else f"{_speed(baseline, hide)} · {baseline_note}"),
-            ("speedup", "not measured yet" if baseline is None else _ratio(speedup_of(speed, baseline), hide)),
+            ("plain", note if baseline.tokens_per_s is None else f"{_speed(baseline.tokens_per_s, hide)} · {note}"),
+            ("speedup", note if baseline.tokens_per_s is None else _ratio(baseline.speedup(speed), hide)),
             ("tokens", str(stats.tokens)),
             ("prefill", _seconds(stats.prefill_s, hide)),
             ("τ", "—" if stats.tau is None else f"{stats.tau:.2f} tok/cycle"),
@@ -332,21 +356,38 @@ class StatsPanel(VerticalScroll):
             ("block", "—" if stats.block_size is None else str(stats.block_size)),
             ("reason", stats.reason or "—"),
         ]
-        lines = [f"{name:<9}{value}" for name, value in rows]
-        figures = "\n".join(lines)
-        if figures != self._figures:
-            self._figures = figures
-            widget = self.query_one("#figures", Static)
-            # the rows keep their count: only a change in how many lines they wrap to needs a layout pass
-            width = max(widget.size.width, 1)
-            height = sum(max(1, -(-len(line) // width)) for line in lines)
-            widget.update(figures, layout=height != self._laid_out)
-            self._laid_out = height
+        self._draw_rows("#figures", rows)
+        self._show_sources(stats)
         self.query_one(AcceptanceHistogram).show(stats.slot_rates())
         recent = [float(n) for n in stats.recent_accepted]
         sparkline = self.query_one(Sparkline)
         if recent != sparkline.data:
             sparkline.data = recent
+
+    def _show_sources(self, stats: ReplyStats) -> None:
+        """The drafter's kind and lookup, each source's acceptance, and a confidence head's calibration."""
+        info = self.info
+        per_source = stats.per_source()
+        configured = ([info.drafter_kind] if info.drafter_kind else []) + (["lookup"] if info.lookup else [])
+        rows = [(source_name(s), _source_row(per_source.get(s))) for s in configured + sorted(set(per_source) - set(configured))]
+        if not rows:
+            rows = [("none", "plain decoding only")]
+        if info.has_confidence_head:
+            rows.append(("conf.", _calibration_row(stats.calibration)))
+        self._draw_rows("#sources", rows)
+
+    def _draw_rows(self, selector: str, rows: list[tuple[str, str]]) -> None:
+        """Update a table of (name, value) rows if it changed; a layout pass only if it wraps to other lines."""
+        lines = [f"{name:<9}{value}" for name, value in rows]
+        text = "\n".join(lines)
+        widget = self.query_one(selector, Static)
+        drawn_text, drawn_height = self._drawn.get(selector, ("", 0))
+        if text == drawn_text:
+            return
+        width = max(widget.size.width, 1)
+        height = sum(max(1, -(-len(line) // width)) for line in lines)
+        widget.update(text, layout=height != drawn_height)
+        self._drawn[selector] = (text, height)
 
     def show_compare(self, speculative: float | None, plain: float | None, same_text: bool | None) -> None:
         """Both speeds of the same prompt side by side."""

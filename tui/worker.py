@@ -1,23 +1,28 @@
-"""The worker-thread side of the chat: Session calls run here; the UI thread never touches the Session.
+"""Where the chat's Session runs: what a reply worker promises the app, and the in-process (thread) worker.
 
-One Session call at a time (a lock). Cancellation is checked between cycles, so a cancelled reply keeps
-every token already committed. Steps are not posted one message each: the worker appends them, with
-the time it received them, to the reply's inbox (a list append, atomic under the GIL), and the app
-drains the inbox on its own timer. A message per cycle made the UI thread dispatch one event per token
-and wake up for each, time the decode loop then waited for the interpreter.
+The UI never touches the Session. It hands a worker a conversation, gets a ticket, and reads the reply's
+Steps from an inbox (a list the worker appends to, drained by the app's timer); the end of the reply
+arrives as one ReplyFinished or ReplyFailed message. A message per cycle made the UI thread wake for every
+token, time the decode loop then waited for the interpreter. Cancellation is by ticket and checked
+between cycles, so a cancelled reply keeps every token already committed. `ProcessWorker`
+(tui/process_worker.py) keeps the same promises with the Session in another process.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from textual.message import Message
 
 from dflash_gguf.session import Session
+from dflash_gguf.stats import GenerationStats
 from dflash_gguf.steps import Step
 from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
+
+Post = Callable[[Message], object]
 
 
 def one_line(error: BaseException) -> str:
@@ -26,48 +31,138 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-class SessionWorker:
-    """Runs Session calls for the app, one at a time; `post` is the app's thread-safe post_message."""
+@dataclass(frozen=True)
+class SessionInfo:
+    """What the chat shows about the Session it talks to (picklable: a worker process sends it)."""
 
-    def __init__(self, session: Session, post: Callable[[Message], object]) -> None:
+    drafter_kind: str | None  # the drafter's source name (dflash, dflash2, dspark); None without one
+    has_confidence_head: bool
+    drafter_block_size: int | None
+    lookup: bool  # whether n-gram lookup drafts (next to the drafter, or alone)
+
+    @classmethod
+    def of(cls, session: Session) -> "SessionInfo":
+        d = session.drafter
+        return cls(
+            drafter_kind=None if d is None else d.kind,
+            has_confidence_head=bool(d is not None and d.has_confidence_head),
+            drafter_block_size=None if d is None else d.block_size,
+            # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
+            lookup=session._lookup is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ReplyEnd:
+    """How a reply ended: its finish reason, or cancelled, or failed with a one-line error."""
+
+    ticket: int
+    finish_reason: str | None = None
+    cancelled: bool = False
+    stats: GenerationStats | None = None  # the Session's stats of a reply that ran to its end
+    error: str | None = None
+
+    def message(self) -> Message:
+        if self.error is not None:
+            return ReplyFailed(self.ticket, self.error)
+        return ReplyFinished(self.ticket, self.finish_reason, self.cancelled, self.stats)
+
+
+def run_reply(
+    session: Session,
+    ticket: int,
+    messages: Sequence[dict[str, str]],
+    gen_kwargs: dict[str, Any],
+    cancelled: Callable[[], bool],
+    emit: Callable[[Step], object],
+) -> ReplyEnd:
+    """Stream one assistant reply to `messages` through the chat template, emitting every Step as it is
+    committed; the cached prefix of the last turn is reused. Never raises: a failure is the ReplyEnd's error."""
+    if cancelled():
+        return ReplyEnd(ticket, cancelled=True)
+    finish_reason: str | None = None
+    try:
+        steps = session.stream_chat(list(messages), **gen_kwargs)
+        try:
+            for step in steps:
+                emit(step)
+                finish_reason = step.finish_reason
+                if finish_reason is None and cancelled():
+                    return ReplyEnd(ticket, cancelled=True)
+        finally:
+            steps.close()
+    except Exception as error:  # any failure of the run is shown in the UI, which keeps running
+        return ReplyEnd(ticket, error=one_line(error))
+    return ReplyEnd(ticket, finish_reason, stats=session.last_stats)
+
+
+class ReplyWorker(ABC):
+    """Runs the chat's replies, one at a time, away from the UI thread."""
+
+    info: SessionInfo
+
+    def __init__(self) -> None:
+        self._tickets = 0
+        self._cancelled_upto = 0  # every ticket <= this is cancelled
+
+    def _ticket(self) -> int:
+        self._tickets += 1
+        return self._tickets
+
+    def cancel(self, ticket: int) -> None:
+        """Stop reply `ticket` at its next cycle (and every earlier one)."""
+        self._cancelled_upto = max(self._cancelled_upto, ticket)
+
+    @abstractmethod
+    def reply(self, messages: Sequence[dict[str, str]], gen_kwargs: dict[str, Any], inbox: list[Step], post: Post) -> int:
+        """Start a reply; its Steps go to `inbox`, its end to `post` as ReplyFinished/ReplyFailed. Returns its ticket."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget the Session's caches once the running reply has ended (benchmarks: every run prefills)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Cancel what runs and release the Session's thread or process (not the Session: its owner closes it)."""
+
+    def __enter__(self) -> "ReplyWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ThreadWorker(ReplyWorker):
+    """The Session in this process, each reply on its own thread; one Session call at a time (a lock)."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__()
         self._session = session
-        self._post = post
         self._lock = threading.Lock()
-        # set when the app exits, so a running call stops at its next cycle
-        self.closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.info = SessionInfo.of(session)
 
-    def reply(
-        self,
-        turn: int,
-        messages: Sequence[dict[str, str]],
-        gen_kwargs: dict[str, Any],
-        cancel: threading.Event,
-        inbox: list[tuple[Step, float]],
-    ) -> None:
-        """Stream one assistant reply to `messages`, appending every Step to `inbox` as it is committed."""
-        finish_reason: str | None = None
-        cancelled = False
+    def reply(self, messages: Sequence[dict[str, str]], gen_kwargs: dict[str, Any], inbox: list[Step], post: Post) -> int:
+        ticket = self._ticket()
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(
+            target=self._run, args=(ticket, list(messages), dict(gen_kwargs), inbox, post), name=f"reply-{ticket}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+        return ticket
+
+    def _run(self, ticket: int, messages: list[dict[str, str]], gen: dict[str, Any], inbox: list[Step], post: Post) -> None:
         with self._lock:
-            if cancel.is_set() or self.closing.is_set():
-                self._post(ReplyFinished(turn, None, True))
-                return
-            try:
-                # the GGUF chat template, its stop strings, and the cached prefix of the last turn reused
-                steps = self._session.stream_chat(list(messages), **gen_kwargs)
-                try:
-                    for step in steps:
-                        inbox.append((step, time.perf_counter()))
-                        finish_reason = step.finish_reason
-                        if finish_reason is None and (cancel.is_set() or self.closing.is_set()):
-                            cancelled = True
-                            break
-                finally:
-                    steps.close()
-            except Exception as error:  # any failure of the run is shown in the UI, which keeps running
-                self._post(ReplyFailed(turn, one_line(error)))
-                return
-            stats = None if cancelled else self._session.last_stats
-        if stats is None:
-            self._post(ReplyFinished(turn, finish_reason, cancelled))
-        else:
-            self._post(ReplyFinished(turn, finish_reason, cancelled, stats.n_prompt_tokens, stats.n_cached_tokens))
+            end = run_reply(self._session, ticket, messages, gen, lambda: self._cancelled_upto >= ticket, inbox.append)
+        post(end.message())
+
+    def reset(self) -> None:
+        with self._lock:
+            self._session.reset()
+
+    def close(self) -> None:
+        self.cancel(self._tickets)
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()

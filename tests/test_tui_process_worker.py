@@ -1,0 +1,115 @@
+"""dflash-chat with its Session in a worker process (ProcessWorker): the real app, the real Session in a
+spawned process, Steps pickled across the pipe. Replies, Esc, Ctrl+G, Ctrl+R and Ctrl+N behave as with the
+thread worker; a worker that dies is an error in the UI, never a hang; a bad file is one clear error."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+
+import pytest
+from textual.pilot import Pilot
+from textual.widgets import Static
+
+from dflash_gguf.session import Session
+from dflash_gguf.tui.app import ChatApp
+from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
+from test_tui_app import (
+    LONG_PROMPT, SHORT_PROMPT, figures, number, options, press_and_wait, replies, run_app, send, send_and_wait,
+    shown_markdown, wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def spec(dflash_gguf_path) -> SessionSpec:
+    return SessionSpec(None, dflash_gguf_path, n_ctx=1024, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def worker(spec):
+    with ProcessWorker(spec) as w:
+        yield w
+
+
+def test_replies_cancel_compare_regenerate_and_new_chat_run_in_the_worker_process(worker, spec) -> None:
+    assert worker.info.drafter_kind == "dflash" and worker.pid != os.getpid()
+    app = ChatApp(worker, options(max_tokens=16))
+    with spec.open() as local:  # the same reply generated in this process, for comparison
+        want = local.chat([{"role": "user", "content": SHORT_PROMPT}], max_tokens=16, block_size=4).text
+
+    async def scenario(pilot: Pilot) -> None:
+        await send_and_wait(pilot, SHORT_PROMPT)
+        [reply] = replies(app)
+        # greedy: the Steps that crossed the pipe are the reply this process would have generated
+        assert reply.tokens.text == want == shown_markdown(reply)
+        assert number(figures(app)["drafted"]) >= 3
+        assert app.last_generation is not None and app.last_generation.loop_tokens_per_s > 0
+        await press_and_wait(pilot, "ctrl+g")
+        assert shown_markdown(replies(app)[-1]) == want
+        assert figures(app)["plain"].endswith("compare")
+        await press_and_wait(pilot, "ctrl+r")
+        assert [shown_markdown(r) for r in replies(app)] == [want]  # the compare run went with the reply
+
+        # Esc mid-reply: the worker stops at its next cycle and the partial reply is kept
+        await pilot.press("ctrl+n")
+        await send(pilot, LONG_PROMPT)
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
+        assert "cancelled after" in str(replies(app)[-1].query_one(".status", Static).content)
+        # Ctrl+N while a reply streams discards it; the next prompt gets its own reply
+        await send(pilot, LONG_PROMPT)
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.stats.tokens > 2, "the reply to start")
+        await pilot.press("ctrl+n")
+        await send_and_wait(pilot, SHORT_PROMPT)
+        assert [shown_markdown(r) for r in replies(app)] == [want]
+
+    run_app(app, scenario)
+
+
+def test_a_worker_that_dies_is_an_error_in_the_ui_never_a_hang(spec) -> None:
+    worker = ProcessWorker(spec)
+    app = ChatApp(worker, options(max_tokens=200))
+
+    async def scenario(pilot: Pilot) -> None:
+        await send(pilot, LONG_PROMPT)
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.stats.tokens > 2, "the reply to start")
+        os.kill(worker.pid, signal.SIGKILL)
+        await wait_for(pilot, lambda: not app.busy, "the failure to reach the UI")
+        [failed] = replies(app)
+        assert failed.has_class("-failed")
+        assert "killed by SIGKILL" in str(failed.query_one(".status", Static).content)
+        # the next prompt fails at once with the same reason instead of waiting for a process that is gone
+        started = time.monotonic()
+        await send_and_wait(pilot, SHORT_PROMPT)
+        assert time.monotonic() - started < 30
+        assert replies(app)[-1].has_class("-failed")
+        assert "restart dflash-chat" in str(replies(app)[-1].query_one(".status", Static).content)
+
+    try:
+        run_app(app, scenario)
+    finally:
+        worker.close()
+
+
+def test_a_bad_file_is_one_clear_error_and_no_process_is_left(tmp_path) -> None:
+    bogus = tmp_path / "notes.gguf"
+    bogus.write_text("this is not a model\n")
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="not a GGUF file") as raised:
+        ProcessWorker(SessionSpec(bogus))
+    assert len(str(raised.value).splitlines()) == 1
+    assert set(multiprocessing.active_children()) <= before, "the worker process that failed to load is gone"
+
+
+def test_steps_and_stats_cross_the_pipe_as_the_session_made_them(spec) -> None:
+    """What the worker sends: every Step of a reply and the Session's stats, unchanged by pickling."""
+    with Session(spec.target, spec.drafter, n_ctx=spec.n_ctx, n_threads=2) as local:
+        messages = [{"role": "user", "content": SHORT_PROMPT}]
+        steps = list(local.stream_chat(messages, max_tokens=8, block_size=4))
+        stats = local.last_stats
+    assert pickle.loads(pickle.dumps(steps)) == steps
+    assert pickle.loads(pickle.dumps(stats)) == stats
