@@ -364,8 +364,9 @@ class Session:
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
             # the verify batch: the last token and the drafts, after a one-token prefix at most
             block = min(drafter.max_draft + 1, room - 1, self.target.n_batch)
-            if self.target.pos_max(0) + 1 + block > room or not self.memory.name == "kv":
-                self._forget()  # calibrate on an empty context rather than refuse a valid call
+            # calibrate on empty caches: the context may be too full, a hybrid memory's turn checkpoints must
+            # not see the timing batches, and the drafter may be behind the target (after plain generations)
+            self._forget()
             costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
             self._block_controller = BlockController(block - 1, costs)
         return self._block_controller
@@ -384,6 +385,11 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise SessionClosedError("this Session is closed")
+
+    @property
+    def lookup(self) -> bool:
+        """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
+        return self._lookup is not None
 
     @property
     def n_ctx(self) -> int:

@@ -52,3 +52,14 @@ def test_a_batch_of_one_token_decodes_plainly_and_says_so_once(embedded_target, 
         assert not r.stats.speculative and r.stats.n_drafted == 0
         assert "n_batch=1" in r.stats.speculative_disabled_reason
     assert first.tokens == second.tokens and len(first.tokens) == 6
+
+
+def test_the_first_adaptive_generation_after_plain_ones_calibrates(dflash_gguf_path):
+    """Plain generations advance the target but not the drafter: calibrating then at the target's position
+    made the drafter inject out of order (libllama refused the batch)."""
+    m = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}]
+    with Session(drafter=dflash_gguf_path, n_ctx=1024, n_threads=1, lookup=False) as s:
+        s.chat(m, max_tokens=8, block_size=4)
+        plain = s.chat(m, max_tokens=30, speculative=False)
+        again = s.chat(m, max_tokens=30)
+    assert again.tokens == plain.tokens and again.stats.speculative

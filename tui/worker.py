@@ -48,7 +48,7 @@ class SessionInfo:
             has_confidence_head=bool(d is not None and d.has_confidence_head),
             drafter_block_size=None if d is None else d.block_size,
             # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
-            lookup=session._lookup is not None,
+            lookup=session.lookup,
         )
 
 
