@@ -87,7 +87,8 @@ class Session:
     """A target GGUF and its draft sources decoding together; output is the target's, only faster.
 
     target=None uses the embedded SmolLM2 target and, with drafter=None, its embedded drafter. Without a
-    drafter every generation is plain decoding (a warning says so once).
+    drafter the Session speculates with lookup drafts (lookup=False: plain decoding, a warning says so once);
+    lookup=True puts lookup next to the drafter.
 
     Generations on one Session are serialised: a second caller (another thread) waits until the running
     one ends, or, with wait=False, gets SessionBusyError at once. fork() gives an independent Session on
