@@ -257,6 +257,20 @@ class BlockController:
         reason = f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
         return BlockChoice(0, reason, plain_rate)
 
+    def drafting_rate(self) -> float | None:
+        """Expected tokens/s of the block `choose` would draft now; None while it keeps to plain decoding.
+
+        Set aside, the profile drifts back towards the prior as evidence fades, so its best rate can look
+        better than plain decoding long before a probe confirms it: a rival source must not yield to that.
+        """
+        expected = self.expected_tokens()
+        if not self.adaptive:
+            return self._rate(self.max_draft, expected)
+        if self._aside:
+            return None
+        best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
+        return best if best > 1.0 / self.costs.plain_s else None
+
     def observe(self, n_draft: int, n_accepted: int) -> None:
         """Record a cycle's outcome: `n_accepted` of `n_draft` drafts matched (n_draft 0 = a plain cycle)."""
         if not (isinstance(n_draft, int) and isinstance(n_accepted, int)):
@@ -585,8 +599,9 @@ class LookupPolicy(Policy):
 
     Lookup's expected tokens come from its source (acceptance learnt per match length, for the match it
     has now); the native drafter's from its BlockController, which keeps its own probing and back-off:
-    whenever lookup does not beat both plain decoding and the drafter's best block, the drafter's
-    controller decides as it would alone. Both are priced with one cost model (verify cost per length).
+    whenever lookup does not beat both plain decoding and the block the drafter's controller would draft
+    now, that controller decides as it would alone (a controller set aside for plain decoding does not
+    outbid lookup with a profile it has not confirmed). Both are priced with one cost model (verify cost per length).
     """
 
     def __init__(self, lookup, costs: CostModel | None = None, *, native: str | None = None,
@@ -621,9 +636,8 @@ class LookupPolicy(Policy):
         c = self.controller
         native_offered = c is not None and offers.get(self.native, 0) > 0
         if best_n and native_offered:
-            e = c.expected_tokens()
-            native_best = max(c._rate(n, e) for n in range(1, c.max_draft + 1))
-            if native_best >= best_rate:
+            native_rate = c.drafting_rate()
+            if native_rate is not None and native_rate >= best_rate:
                 best_n = 0
         if best_n:
             seconds = self.costs.verify_s(best_n + 1)

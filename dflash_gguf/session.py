@@ -27,7 +27,7 @@ from .sampling import SamplingParams
 from .sources import DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step
-from .target import Target
+from .target import ClosedError, Target
 from .target_gguf import drafter_block_size
 
 Message = Mapping[str, Any]
@@ -35,8 +35,8 @@ Message = Mapping[str, Any]
 __all__ = ["GenerationStats", "Result", "Session", "SessionBusyError", "SessionClosedError"]
 
 
-class SessionClosedError(RuntimeError):
-    """The Session was closed; its native memory is gone."""
+class SessionClosedError(ClosedError):
+    """The Session was closed; its native memory is gone (one `except ClosedError` covers Target and Drafter too)."""
 
 
 class SessionBusyError(RuntimeError):

@@ -229,7 +229,8 @@ def test_lookup_modes_run_interleaved_and_match_plain(tmp_path, capsys) -> None:
     prompts.write_text(suite[0] + "\n", encoding="utf-8")  # the model re-emits place names from this paragraph
     rc, stdout, err = run_cli(
         ["--prompts", str(prompts), "--max-tokens", "24", "--repeats", "1", "--threads", "1",
-         "--modes", "lookup", "dflash", "both", "--out", str(out), "--name", "modes", "--no-warmup"],
+         "--modes", "lookup", "dflash", "both", "--block-size", "8", "--out", str(out), "--name", "modes",
+         "--no-warmup"],  # a fixed block: whether adaptive lookup pays is the measured costs' call
         capsys,
     )
     assert rc == 0, err

@@ -272,3 +272,28 @@ def test_lookup_policy_leaves_the_cycle_to_a_better_drafter() -> None:
     assert choice.source == "dflash" and choice.n_draft == 15
     # without the drafter on offer, the same lookup draft is worth verifying
     assert policy.choose({"lookup": source.available(last, n_past)}).source == "lookup"
+
+
+def test_lookup_policy_drafts_while_the_drafter_is_set_aside() -> None:
+    """A drafter set aside for plain decoding must not outbid lookup with a profile faded back to its prior
+    (on CI, lookup never drafted a copy-heavy reply: the idle drafter's faded profile always 'won')."""
+    from dflash_gguf.controller import LookupPolicy
+
+    source, last, n_past = _lookup_with_a_match(0.0)  # few drafts pass, but on a flat cost curve they pay
+    model = CostModel(FLAT, {2: 0.001, 16: 0.002})
+    drafter = BlockController(15, model)
+    for _ in range(20):
+        drafter.observe(15, 0)  # the drafter's blocks never pass...
+    assert drafter.choose().n_draft == 0 and drafter.drafting_rate() is None  # ...so it decodes plainly
+    for _ in range(25):
+        drafter.choose()  # plain cycles: the failures fade and the profile drifts back to the prior
+    expected = drafter.expected_tokens()
+    faded_best = max(expected[n] / (model.draft_s(n + 1) + model.verify_s(n + 1)) for n in range(1, 16))
+    offers = {"lookup": source.available(last, n_past), "dflash": 15}
+    lookup_alone = LookupPolicy(source, model).choose({"lookup": offers["lookup"]})
+    assert lookup_alone.source == "lookup"
+    lookup_rate = source.current_expected(offers["lookup"])[lookup_alone.n_draft] / model.verify_s(lookup_alone.n_draft + 1)
+    assert faded_best > lookup_rate  # the case that matters: the faded profile looks better than lookup
+    assert drafter.drafting_rate() is None
+    choice = LookupPolicy(source, native="dflash", controller=drafter).choose(offers)
+    assert choice.source == "lookup" and choice.n_draft == lookup_alone.n_draft

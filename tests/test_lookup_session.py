@@ -36,19 +36,22 @@ def plain_outputs(embedded_target):
 
 @pytest.mark.parametrize("dflash", [False, True], ids=["lookup", "lookup+dflash"])
 def test_greedy_output_is_plain_decoding(embedded_target, plain_outputs, dflash):
-    # without a drafter the Session speculates with lookup alone; lookup=True puts it next to the drafter
+    """Without a drafter the Session speculates with lookup alone; lookup=True puts it next to the drafter.
+    Adaptive blocks draft only where the measured costs say it pays (on a compute-bound CPU, rarely), so
+    the drafting itself is checked in a fixed block: lookup where it has a match, the drafter elsewhere."""
     with Session(embedded_target, embedded_drafter() if dflash else None, n_ctx=1024, n_threads=1, lookup=True) as s:
-        copy = _chat(s, COPY)
-        assert copy.tokens == plain_outputs[COPY]
-        lookup = copy.stats.per_source.get("lookup")
-        assert lookup is not None and lookup.n_accepted > 0  # the copy was drafted by lookup
-        ordinary = _chat(s, ORDINARY)
-        assert ordinary.tokens == plain_outputs[ORDINARY]
+        for prompt in (COPY, ORDINARY):
+            assert _chat(s, prompt).tokens == plain_outputs[prompt]
+        fixed = _chat(s, COPY, block_size=8)
+    assert fixed.tokens == plain_outputs[COPY]
+    assert fixed.stats.per_source["lookup"].n_accepted > 0  # the copy was drafted by lookup
+    if dflash:
+        assert fixed.stats.per_source["dflash"].n_drafted > 0
 
 
 def test_steps_mark_lookup_tokens(embedded_target):
     with Session(embedded_target, n_ctx=1024, n_threads=1) as s:
-        steps = list(s.stream_chat([{"role": "user", "content": COPY}], max_tokens=N))
+        steps = list(s.stream_chat([{"role": "user", "content": COPY}], max_tokens=N, block_size=8))
     drafted = [st for st in steps if st.source == "lookup"]
     assert drafted and all(
         st.provenance[: st.n_accepted] == (TokenSource.LOOKUP,) * min(st.n_accepted, len(st.provenance)) for st in drafted
@@ -57,8 +60,9 @@ def test_steps_mark_lookup_tokens(embedded_target):
 
 
 def test_a_session_without_drafter_speculates(embedded_target):
-    with Session(embedded_target, n_ctx=1024, n_threads=1) as s:
-        r = _chat(s, COPY)
+    with Session(embedded_target, n_ctx=1024, n_threads=1) as s, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "decoding plainly" warning: lookup is its draft source
+        r = _chat(s, COPY, block_size=8)
     assert r.stats.n_drafted > 0
 
 
@@ -95,12 +99,3 @@ def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
         forced = np.zeros_like(probs)
         forced[drafted] = 1.0
         assert chi_square_p_value(after, forced) < ALPHA
-
-
-def test_lookup_next_to_the_drafter_through_the_session_option(embedded_target):
-    with Session(embedded_target, embedded_drafter(), n_ctx=1024, n_threads=1, lookup=True) as s:
-        r = _chat(s, COPY)
-        s.reset()
-        plain = s.chat([{"role": "user", "content": COPY}], max_tokens=r.stats.n_tokens, speculative=False)
-    assert r.tokens == plain.tokens
-    assert "lookup" in r.stats.per_source or r.stats.plain_cycles == r.stats.cycles

@@ -17,7 +17,7 @@ from dflash_gguf.session import SessionBusyError, SessionClosedError
 from dflash_gguf.sources import Candidate, Commit, DraftSource
 from dflash_gguf.stats import MIN_BASELINE_CYCLES, collect, speedup
 from dflash_gguf.steps import StepKind, TokenSource
-from dflash_gguf.target import Target
+from dflash_gguf.target import ClosedError, Target
 
 PROMPT = "The capital of France is"
 N_TOKENS = 24
@@ -183,6 +183,8 @@ def test_every_method_of_a_closed_session_raises(session):
     ):
         with pytest.raises(SessionClosedError):
             call()
+    with pytest.raises(ClosedError):  # the one closed error of Target, Drafter and Session
+        session.generate(PROMPT, max_tokens=4)
 
 
 def test_close_during_a_stream_ends_it_cleanly(session):

@@ -424,48 +424,56 @@ def test_follow_up_turns_land_on_the_slot_that_holds_their_prefix(main_url):
         assert timings["cache_n"] > 40  # the whole first turn, not only the template's system prefix
 
 
-@pytest.mark.skip(reason="timing-dependent: on the CI machine both 'busy' streams ended (slots idle, the queued "
-                         "turn already served) within 3 s, before the queue it needs could form; to be rewritten "
-                         "with streams held open by the server rather than by reply length")
-def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(main_url):
+def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(base):
     """Both slots busy, two follow-ups queued (B's first): when A's slot frees it goes to A's follow-up,
-    not to the queue's head, whose conversation lives on the other slot; B's gets B's slot after."""
+    not to the queue's head, whose conversation lives on the other slot; B's gets B's slot after.
+
+    The test holds the slots itself (through the pool, on the server's loop), so the queue forms and
+    drains when the test says, however fast the machine decodes.
+    """
+    sessions = [base.fork(), base.fork()]
+    app = create_app(sessions, ServerConfig(max_queue=4))
+    pool = app.state.engine.pool
+
+    def on_loop(fn, *args):
+        return asyncio.run_coroutine_threadsafe(_call(fn, *args), loop).result(30)
+
     def turn(messages, max_tokens=6):
-        r = httpx.post(main_url + CHAT, headers=AUTH, timeout=120,
-                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        r = httpx.post(url + CHAT, timeout=120, json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
         assert r.status_code == 200, r.text
         r = r.json()
         return r["choices"][0]["message"]["content"], r["dflash"]["slot"], r["timings"]
 
-    opening = [ask("Describe a lighthouse in one sentence, please."), ask("Name two rivers in Europe and their seas.")]
-    with ThreadPoolExecutor(2) as pool:
-        (a_text, a_slot, _), (b_text, b_slot, _) = pool.map(turn, opening)
-    assert a_slot != b_slot
-    a = opening[0] + [{"role": "assistant", "content": a_text}]
-    b = opening[1] + [{"role": "assistant", "content": b_text}]
-    # greedy replies of 300+ tokens (checked once: each counts to 300), so both slots stay busy throughout
-    count_a = {"role": "user", "content": "Now count from 1 to 300, separated by commas."}
-    count_b = {"role": "user", "content": "Now list the numbers from 1 to 300, separated by commas."}
-    busy = {"max_tokens": 2000, "temperature": 0, "stream": True}
-    follow = {"role": "user", "content": "And then?"}
-    with ThreadPoolExecutor(2) as pool, \
-            httpx.stream("POST", main_url + CHAT, headers=AUTH, json={**busy, "messages": a + [count_a]}, timeout=60) as sa, \
-            httpx.stream("POST", main_url + CHAT, headers=AUTH, json={**busy, "messages": b + [count_b]}, timeout=60) as sb:
-        for s in (sa, sb):
-            assert s.status_code == 200 and any("content" in line for line in s.iter_lines())
-        health = lambda: httpx.get(main_url + "/health").json()  # noqa: E731
-        assert health()["slots_idle"] == 0
-        queued_b = pool.submit(turn, b + [follow])
-        _wait_for(lambda: health()["queue_depth"] == 1)
-        queued_a = pool.submit(turn, a + [follow], 48)
-        _wait_for(lambda: health()["queue_depth"] == 2)
-        sa.close()  # A's slot frees
-        _wait_for(lambda: health()["queue_depth"] == 1)
-        sb.close()
-        _, got_a, timings_a = queued_a.result()
-        _, got_b, timings_b = queued_b.result()
-    assert (got_a, got_b) == (a_slot, b_slot)
-    assert timings_a["cache_n"] > 40 and timings_b["cache_n"] > 40
+    try:
+        with running(app) as (url, loop), ThreadPoolExecutor(2) as threads:
+            opening = [ask("Describe a lighthouse in one sentence, please."), ask("Name two rivers in Europe and their seas.")]
+            (a_text, a_slot, _), (b_text, b_slot, _) = threads.map(turn, opening)
+            assert a_slot != b_slot
+            a = opening[0] + [{"role": "assistant", "content": a_text}]
+            b = opening[1] + [{"role": "assistant", "content": b_text}]
+            held = {slot.id: on_loop(pool.acquire, pool.slots[slot.id].cached) for slot in pool.slots}
+            assert all(held[i].id == i for i in held) and _health(url)["slots_idle"] == 0
+            follow = {"role": "user", "content": "And then?"}
+            queued_b = threads.submit(turn, b + [follow])
+            _wait_for(lambda: _health(url)["queue_depth"] == 1)
+            queued_a = threads.submit(turn, a + [follow], 48)  # long enough to still run when B's slot frees
+            _wait_for(lambda: _health(url)["queue_depth"] == 2)
+            on_loop(pool.release, held[a_slot], None)  # A's slot frees: B's turn is first in line, A's lives here
+            _wait_for(lambda: _health(url)["queue_depth"] == 1)
+            on_loop(pool.release, held[b_slot], None)
+            _, got_a, timings_a = queued_a.result(120)
+            _, got_b, timings_b = queued_b.result(120)
+        assert (got_a, got_b) == (a_slot, b_slot)
+        assert timings_a["cache_n"] > 40 and timings_b["cache_n"] > 40
+    finally:
+        for s in sessions:
+            s.close()
+
+
+async def _call(fn, *args):
+    """fn(*args) on the running loop, awaited if it is a coroutine function (the pool is loop-only)."""
+    out = fn(*args)
+    return await out if asyncio.iscoroutine(out) else out
 
 
 def test_shutdown_refuses_queued_and_new_requests_and_ends_streams(base):

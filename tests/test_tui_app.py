@@ -346,7 +346,7 @@ def test_lookup_next_to_the_drafter_colours_copied_tokens_and_counts_them(dflash
     """--lookup: n-gram lookup drafts next to the drafter; a copy-heavy reply shows lookup's own colour and
     its acceptance in the stats panel."""
     with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=2, lookup=True) as both:
-        app = ChatApp(both, options(max_tokens=48, block_size=None))
+        app = ChatApp(both, options(max_tokens=48, block_size=8))  # fixed: adaptive lookup drafts only where it pays
 
         async def scenario(pilot: Pilot) -> None:
             await send_and_wait(pilot, COPY_PROMPT)
