@@ -227,34 +227,39 @@ class BlockController:
 
     def choose(self) -> BlockChoice:
         self._cycle += 1
-        expected = self.expected_tokens()
         plain_rate = 1.0 / self.costs.plain_s
         if not self.adaptive:
-            n = self.max_draft
+            n, expected = self.max_draft, self.expected_tokens()
             return BlockChoice(n, f"fixed block {n + 1}: {self._describe(n, expected)}", self._rate(n, expected))
-        best_n = max(range(1, self.max_draft + 1), key=lambda n: self._rate(n, expected))
-        best_rate = self._rate(best_n, expected)
-        if best_rate > plain_rate and not self._aside:
-            self._probe_after = self._base_probe_after
-            reason = f"draft {best_n}: {self._describe(best_n, expected)} > plain {plain_rate:.0f} tok/s"
-            return BlockChoice(best_n, reason, best_rate)
+        why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
+        detail = f"set aside < plain {plain_rate:.0f} tok/s"
         if not self._aside:
+            expected = self.expected_tokens()
+            best_n = max(range(1, self.max_draft + 1), key=lambda n: self._rate(n, expected))
+            best_rate = self._rate(best_n, expected)
+            if best_rate > plain_rate:
+                self._probe_after = self._base_probe_after
+                reason = f"draft {best_n}: {self._describe(best_n, expected)} > plain {plain_rate:.0f} tok/s"
+                return BlockChoice(best_n, reason, best_rate)
             self._aside = True
             self._plain_streak = 0
+            detail = f"best draft {best_n}: {self._describe(best_n, expected)} < plain {plain_rate:.0f} tok/s"
+        # set aside: only probes look at the profile again, so a plain cycle costs the loop next to nothing
         if self._next_probe:  # the last probe passed whole: try a longer block at once
             n = self._next_probe
             self._next_probe = 0
             self._probing = True
+            expected = self.expected_tokens()
             reason = f"probe draft {n} (the last probe passed): {self._describe(n, expected)}"
             return BlockChoice(n, reason, self._rate(n, expected), probe=True)
         if self._plain_streak >= self._probe_after:  # the cheapest draft tells whether drafts pass again
             self._plain_streak = 0
             self._probing = True
+            expected = self.expected_tokens()
             reason = f"probe draft 1 after {self._probe_after} plain cycles: {self._describe(1, expected)}"
             return BlockChoice(1, reason, self._rate(1, expected), probe=True)
         self._plain_streak += 1
-        why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
-        reason = f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
+        reason = f"plain: {why} ({detail}); probe in {self._probe_after - self._plain_streak} plain cycles"
         return BlockChoice(0, reason, plain_rate)
 
     def drafting_rate(self) -> float | None:

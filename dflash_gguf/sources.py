@@ -108,12 +108,14 @@ class NativeDrafterSource(DraftSource):
         self.max_draft = drafter.max_draft
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending: list[np.ndarray] = []
+        self._n_pending = 0  # rows in _pending (a long plain streak holds hundreds of them)
 
     def cached(self) -> int:
         return self._n
 
     def truncate(self, n: int) -> None:
         self._pending.clear()
+        self._n_pending = 0
         if n < self._n:
             self.drafter.remove(n)
             self._n = n
@@ -133,13 +135,15 @@ class NativeDrafterSource(DraftSource):
         return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
 
     def observe(self, commit: Commit) -> None:
-        if commit.start != self._n + sum(len(f) for f in self._pending):
+        if commit.start != self._n + self._n_pending:
             raise RuntimeError(f"drafter features out of order: commit at {commit.start}, drafter at {self._n}")
         self._pending.append(commit.features())
+        self._n_pending += len(commit.tokens)
 
     def finish(self) -> None:
         if self._pending:
             features = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
             self._pending.clear()
+            self._n_pending = 0
             self.drafter.inject(features, self._n)
             self._n += len(features)

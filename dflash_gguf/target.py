@@ -496,13 +496,17 @@ class Target(NativeResource):
             raise RuntimeError("no features: decode() a batch after capture()")
         if n_tokens < 0 or offset < 0 or offset + n_tokens > self._n_last:
             raise ValueError(f"rows [{offset}, {offset + n_tokens}) outside the last batch of {self._n_last} tokens")
-        e = self.n_embd
-        out = np.empty((n_tokens, len(self._layers) * e), dtype=np.float32)
-        for k, lid in enumerate(self._layers):
-            ptr = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
-            layer = np.ctypeslib.as_array(ptr, shape=(self._n_last, e))
-            out[:, k * e : (k + 1) * e] = layer[offset : offset + n_tokens]
-        return out
+        # one memmove per layer (this runs every cycle: numpy views over ctypes pointers cost more than the copy)
+        row_bytes = self.n_embd * ctypes.sizeof(ctypes.c_float)
+        per_layer = np.empty((len(self._layers), n_tokens, self.n_embd), dtype=np.float32)
+        dst = per_layer.ctypes.data
+        for lid in self._layers:
+            src = ctypes.cast(llama_ext.get_embeddings_layer_inp(self._ctx, lid), ctypes.c_void_p).value
+            if not src:
+                raise RuntimeError(f"libllama captured no input for layer {lid}")
+            ctypes.memmove(dst, src + offset * row_bytes, n_tokens * row_bytes)
+            dst += n_tokens * row_bytes
+        return per_layer.transpose(1, 0, 2).reshape(n_tokens, -1)
 
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
