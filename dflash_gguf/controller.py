@@ -192,6 +192,7 @@ class BlockController:
         self._cycle = 0
         self._last_observed_cycle = 0
         self._aside = False
+        self._aside_reason = ""  # why plain decoding was chosen when the controller set drafting aside
         self._plain_streak = 0
         self._probe_after = probe_after
         self._probing = False
@@ -231,8 +232,6 @@ class BlockController:
         if not self.adaptive:
             n, expected = self.max_draft, self.expected_tokens()
             return BlockChoice(n, f"fixed block {n + 1}: {self._describe(n, expected)}", self._rate(n, expected))
-        why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
-        detail = f"set aside < plain {plain_rate:.0f} tok/s"
         if not self._aside:
             expected = self.expected_tokens()
             best_n = max(range(1, self.max_draft + 1), key=lambda n: self._rate(n, expected))
@@ -243,7 +242,10 @@ class BlockController:
                 return BlockChoice(best_n, reason, best_rate)
             self._aside = True
             self._plain_streak = 0
-            detail = f"best draft {best_n}: {self._describe(best_n, expected)} < plain {plain_rate:.0f} tok/s"
+            why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
+            self._aside_reason = (
+                f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
+            )
         # set aside: only probes look at the profile again, so a plain cycle costs the loop next to nothing
         if self._next_probe:  # the last probe passed whole: try a longer block at once
             n = self._next_probe
@@ -259,8 +261,7 @@ class BlockController:
             reason = f"probe draft 1 after {self._probe_after} plain cycles: {self._describe(1, expected)}"
             return BlockChoice(1, reason, self._rate(1, expected), probe=True)
         self._plain_streak += 1
-        reason = f"plain: {why} ({detail}); probe in {self._probe_after - self._plain_streak} plain cycles"
-        return BlockChoice(0, reason, plain_rate)
+        return BlockChoice(0, self._aside_reason, plain_rate)
 
     def drafting_rate(self) -> float | None:
         """Expected tokens/s of the block `choose` would draft now; None while it keeps to plain decoding.
@@ -298,7 +299,9 @@ class BlockController:
             expected = self.expected_tokens()
             best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
             plain_rate = 1.0 / self.costs.plain_s
-            if best > plain_rate:
+            if n_accepted == 0:  # rejected outright: whatever the faded profile promises, wait twice as long
+                self._probe_after = min(2 * self._probe_after, self._max_probe_after)
+            elif best > plain_rate:
                 self._aside = False
             elif n_accepted == n_draft < self.max_draft:  # all passed: grow the probe before judging
                 self._next_probe = min(2 * n_draft + 1, self.max_draft)
@@ -423,9 +426,9 @@ class AdaptivePolicy(Policy):
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
         c = self.controller
-        c.observe(choice.n_draft, n_accepted)
         c.observe_timing("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
-        if choice.n_draft:
+        if choice.n_draft:  # a plain cycle tells the acceptance profile nothing
+            c.observe(choice.n_draft, n_accepted)
             c.observe_timing("draft", timing.block_tokens, timing.draft_s)
             c.observe_timing("rollback", timing.block_tokens, timing.rollback_s)
 

@@ -61,6 +61,19 @@ def test_plain_decoding_when_drafts_never_pass() -> None:
     assert choice.expected_tokens_per_s == pytest.approx(1 / 0.011)
 
 
+def test_probes_back_off_while_drafts_never_pass() -> None:
+    """A probe rejected outright keeps drafting set aside and doubles the wait, even where the profile,
+    faded over the plain streak, would again promise more than plain decoding (a cheap verify, as on the
+    hybrid fixtures: on the old rule every probe was followed by a full draft and the wait never grew)."""
+    model = CostModel({1: 0.003, 2: 0.0032, 16: 0.006}, {2: 0.0001, 16: 0.0002})
+    controller = BlockController(MAX_DRAFT, model)
+    chosen = run(controller, 0.0, 2000, np.random.default_rng(0))
+    drafted = [i for i, n in enumerate(chosen) if n]
+    probes = [i for i in drafted if i > 10]  # after the first cycles (the prior's), only probes draft
+    assert len(drafted) - len(probes) <= 10 and all(chosen[i] == 1 for i in probes)
+    assert list(np.diff(probes)) == [65, 129] + [257] * (len(probes) - 3)  # the wait doubles up to 256 cycles
+
+
 def test_largest_block_when_drafts_always_pass() -> None:
     controller = BlockController(MAX_DRAFT, costs())
     chosen = run(controller, 1.0, 40, np.random.default_rng(0))
