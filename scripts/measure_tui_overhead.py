@@ -151,15 +151,21 @@ def main() -> None:
           f"GIL switch {chat_app.GIL_SWITCH_INTERVAL_S * 1000:g} ms in the app; interleaved; medians")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
-    print(f"{'mode':<12}{'run':<18}{'decode tok/s':>13}{'(min-max)':>14}{'/ headless':>11}{'loop tok/s':>11}{'UI cpu s':>10}")
+    print("paired: each run over the headless run of the same round, prompt and mode (median, quartiles)")
+    print(f"{'mode':<12}{'run':<18}{'decode tok/s':>13}{'(min-max)':>14}{'/ headless':>11}{'paired':>9}"
+          f"{'(q1-q3)':>14}{'loop tok/s':>11}{'UI cpu s':>10}")
     for mode in ("plain", "speculative"):
-        base = statistics.median(wall[("headless", mode)])
+        base_runs = wall[("headless", mode)]
+        base = statistics.median(base_runs)
         for run in RUNS:
             w = statistics.median(wall[(run, mode)])
+            paired = [x / b for x, b in zip(wall[(run, mode)], base_runs)]
+            q1, _, q3 = statistics.quantiles(paired, n=4)
             lp = statistics.median(loop[(run, mode)])
             cpu = f"{statistics.median(cpus[(run, mode)]):>10.2f}" if (run, mode) in cpus else f"{'':>10}"
             spread = f"{min(wall[(run, mode)]):.1f}-{max(wall[(run, mode)]):.1f}"
-            print(f"{mode:<12}{run:<18}{w:>13.1f}{spread:>14}{w / base:>10.1%} {lp:>11.1f}{cpu}")
+            print(f"{mode:<12}{run:<18}{w:>13.1f}{spread:>14}{w / base:>10.1%}{statistics.median(paired):>9.1%}"
+                  f"{f'{q1:.0%}-{q3:.0%}':>14} {lp:>10.1f}{cpu}")
     if profiler is not None:
         profiler.dump_stats(args.profile)
         stats = pstats.Stats(args.profile)

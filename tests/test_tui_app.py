@@ -310,8 +310,6 @@ def test_an_adaptive_reply_that_chose_plain_reads_one_within_its_probes_or_not_m
     with the probe drafts it tries now and then: its own plain cycles are its baseline, and the figure is
     1.0x but for what the probes cost or gained, never a figure against another run's baseline."""
     adaptive = options(max_tokens=200, block_size=None)
-    # from an empty cache: the controller's first calibration fails after a plain generation left the
-    # drafter behind the target (a Session bug, reported; not what this test is about)
     session.reset()
     # the controller lives as long as the Session: a first reply teaches it that drafts do not pay
     session.chat([{"role": "user", "content": SHORT_PROMPT}], **adaptive.generation.session_kwargs())
@@ -325,15 +323,17 @@ def test_an_adaptive_reply_that_chose_plain_reads_one_within_its_probes_or_not_m
         # the premise did not occur: since the runtime's new calibration the controller drafts with this
         # drafter (reported to the lead); the rule below is then checked by the other like-for-like tests
         pytest.skip(f"the controller did not keep to plain ({b.plain_cycles}/{b.cycles} plain cycles)")
-    # the probes' share of the loop's time bounds how far from 1.0 the reply's own figure can be
+    # the probes' share of the loop's time bounds how far from 1.0 the reply's own figure can be: at the
+    # end, the reply's share; while it streams, a probe (about two plain steps) after >= 32 plain cycles
     probe_share = 1 - b.plain_loop_s / b.loop_s
     for shown in seen:
         if shown["speedup"] == NOT_MEASURED:
             assert shown["plain"] == NOT_MEASURED
             continue
         assert shown["plain"].endswith("in reply")
-        assert number(shown["speedup"]) == pytest.approx(1.0, abs=probe_share + 0.01)
+        assert number(shown["speedup"]) == pytest.approx(1.0, abs=0.1)
     assert seen[-1]["speedup"] != NOT_MEASURED, "a 200-token reply has enough plain cycles for a figure"
+    assert number(seen[-1]["speedup"]) == pytest.approx(1.0, abs=probe_share + 0.01)
 
 
 COPY_PROMPT = (
