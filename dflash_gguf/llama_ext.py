@@ -53,7 +53,8 @@ set_embeddings_layer_inp = _bind(
     None,
 )
 
-# float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid)
+# float * llama_get_embeddings_layer_inp(llama_context * ctx, uint32_t lid); bound as an address (an int, or
+# None for NULL): Target.features memmoves from it every cycle, and a typed pointer costs a cast there
 get_embeddings_layer_inp = _bind(
     (
         "llama_get_embeddings_layer_inp",
@@ -61,7 +62,7 @@ get_embeddings_layer_inp = _bind(
         "?llama_get_embeddings_layer_inp@@YAPEAMPEAUllama_context@@I@Z",
     ),
     [_ctx, ctypes.c_uint32],
-    ctypes.POINTER(ctypes.c_float),
+    ctypes.c_void_p,
 )
 
 # const int32_t * llama_model_target_layer_ids(const llama_model * model)

@@ -496,17 +496,18 @@ class Target(NativeResource):
             raise RuntimeError("no features: decode() a batch after capture()")
         if n_tokens < 0 or offset < 0 or offset + n_tokens > self._n_last:
             raise ValueError(f"rows [{offset}, {offset + n_tokens}) outside the last batch of {self._n_last} tokens")
-        # one memmove per layer (this runs every cycle: numpy views over ctypes pointers cost more than the copy)
-        row_bytes = self.n_embd * ctypes.sizeof(ctypes.c_float)
-        per_layer = np.empty((len(self._layers), n_tokens, self.n_embd), dtype=np.float32)
-        dst = per_layer.ctypes.data
+        # memmoves, not numpy views over ctypes pointers: this runs every cycle, and the views cost more than the copy
+        n_layers, row_bytes = len(self._layers), self.n_embd * ctypes.sizeof(ctypes.c_float)
+        direct = n_tokens == 1 or n_layers == 1  # each layer's rows are one contiguous run of the output
+        out = np.empty((n_tokens, n_layers * self.n_embd) if direct else (n_layers, n_tokens, self.n_embd), np.float32)
+        dst, step = out.ctypes.data, (row_bytes if direct else n_tokens * row_bytes)
         for lid in self._layers:
-            src = ctypes.cast(llama_ext.get_embeddings_layer_inp(self._ctx, lid), ctypes.c_void_p).value
+            src = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
             if not src:
                 raise RuntimeError(f"libllama captured no input for layer {lid}")
             ctypes.memmove(dst, src + offset * row_bytes, n_tokens * row_bytes)
-            dst += n_tokens * row_bytes
-        return per_layer.transpose(1, 0, 2).reshape(n_tokens, -1)
+            dst += step
+        return out if direct else out.transpose(1, 0, 2).reshape(n_tokens, -1)
 
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""

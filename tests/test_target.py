@@ -53,6 +53,24 @@ def test_layer_zero_input_is_the_token_embedding(fresh):
     assert not np.allclose(feats[:, 576:], emb[toks])
 
 
+def test_every_way_of_reading_features_gives_the_same_rows(fresh):
+    """One row (the loop's plain cycle), one layer, and several rows of several layers are copied by
+    different paths (Target.features): each row must be the same bytes whichever way it is read."""
+    toks = fresh.tokenize("one two three four five")
+    fresh.decode(toks, 0)
+    whole = fresh.features(len(toks))
+    for i in range(len(toks)):
+        np.testing.assert_array_equal(fresh.features(1, offset=i)[0], whole[i])
+    np.testing.assert_array_equal(fresh.features(2, offset=1), whole[1:3])
+    fresh.capture([9])  # LAYERS[1]
+    try:
+        fresh.clear()
+        fresh.decode(toks, 0)  # the same batch again: the same numbers
+        np.testing.assert_array_equal(fresh.features(len(toks) - 1, offset=1), whole[1:, 576:2 * 576])
+    finally:
+        fresh.capture(LAYERS)
+
+
 def test_features_and_logits_do_not_depend_on_batch_neighbours(fresh):
     a = fresh.tokenize("Hello world, this is")
     b = fresh.tokenize("def f(x): return")
