@@ -53,8 +53,18 @@ def test_replies_cancel_compare_regenerate_and_new_chat_run_in_the_worker_proces
         await press_and_wait(pilot, "ctrl+r")
         assert [shown_markdown(r) for r in replies(app)] == [want]  # the compare run went with the reply
 
+    run_app(app, scenario)
+
+
+def test_escape_and_new_chat_stop_a_reply_in_the_worker_process(worker, spec) -> None:
+    """Long replies (up to 300 tokens: the counting prompt runs past 100), so that Esc and Ctrl+N land
+    while the worker still decodes, however fast the machine."""
+    app = ChatApp(worker, options(max_tokens=300))
+    with spec.open() as local:
+        want = local.chat([{"role": "user", "content": SHORT_PROMPT}], max_tokens=300, block_size=4).text
+
+    async def scenario(pilot: Pilot) -> None:
         # Esc mid-reply: the worker stops at its next cycle and the partial reply is kept
-        await pilot.press("ctrl+n")
         await send(pilot, LONG_PROMPT)
         await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
         await pilot.press("escape")
