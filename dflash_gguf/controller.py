@@ -269,11 +269,11 @@ class BlockController:
         Set aside, the profile drifts back towards the prior as evidence fades, so its best rate can look
         better than plain decoding long before a probe confirms it: a rival source must not yield to that.
         """
+        if self.adaptive and self._aside:  # the cheap answer first: LookupPolicy asks every cycle
+            return None
         expected = self.expected_tokens()
         if not self.adaptive:
             return self._rate(self.max_draft, expected)
-        if self._aside:
-            return None
         best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
         return best if best > 1.0 / self.costs.plain_s else None
 

@@ -507,7 +507,7 @@ class Target(NativeResource):
                 raise RuntimeError(f"libllama captured no input for layer {lid}")
             ctypes.memmove(dst, src + offset * row_bytes, n_tokens * row_bytes)
             dst += step
-        return out if direct else out.transpose(1, 0, 2).reshape(n_tokens, -1)
+        return out if direct else out.transpose(1, 0, 2).reshape(n_tokens, n_layers * self.n_embd)
 
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
