@@ -412,6 +412,7 @@ class AdaptivePolicy(Policy):
         self.source = source
         self.controller = controller
         self.confidence_threshold = confidence_threshold
+        self._plain = Choice(None, 0, StepKind.PLAIN, "")  # the last plain choice, reused while its reason holds
 
     def verify_length(self, candidate: "Candidate") -> int:
         return _best_verify_length(candidate, self.controller.costs, self.confidence_threshold)
@@ -421,7 +422,9 @@ class AdaptivePolicy(Policy):
         block = self.controller.choose()
         n = min(block.n_draft, offered)
         if n == 0:
-            return Choice(None, 0, StepKind.PLAIN, block.reason)
+            if self._plain.reason is not block.reason:
+                self._plain = Choice(None, 0, StepKind.PLAIN, block.reason)
+            return self._plain
         return Choice(self.source, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:

@@ -93,6 +93,8 @@ class TextStream:
     def feed(self, token: int, source: TokenSource) -> tuple[list[tuple[str, TokenSource]], bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
         piece = self._decoder.decode(self._token_bytes(token))
+        if not self._stop:  # nothing is ever held back
+            return ([(piece, source)] if piece else []), False
         if piece:
             self._held.append((piece, source))
         held = "".join(t for t, _ in self._held)
@@ -166,7 +168,7 @@ def decode_steps(
         cache.commit(tokens)
         if active:
             rows = len(tokens)
-            c = Commit(start, tokens, (lambda: target.features(rows)) if features else None)
+            c = Commit(start, tokens, (lambda into: target.append_features(into, rows)) if features else None)
             for s in active:
                 s.observe(c)
 

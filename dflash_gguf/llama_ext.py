@@ -42,6 +42,13 @@ def _bind(names: tuple[str, ...], argtypes: list[Any], restype: Any) -> Callable
 _ctx = _capi.llama_context_p_ctypes
 _model = _capi.llama_model_p_ctypes
 
+# float * llama_get_logits(llama_context * ctx), bound a second time as an address: Target.output_logits
+# compares it with the buffer its view was built on every cycle. lib[name] is a new function object, so
+# llama-cpp-python's own binding (a typed pointer) is left as it is.
+get_logits_address = _capi._lib["llama_get_logits"]
+get_logits_address.argtypes = [_ctx]
+get_logits_address.restype = ctypes.c_void_p
+
 # void llama_set_embeddings_layer_inp(llama_context * ctx, uint32_t lid, bool value)
 set_embeddings_layer_inp = _bind(
     (

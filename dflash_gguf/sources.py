@@ -15,6 +15,7 @@ import numpy as np
 from .drafter import Drafter
 from .sampling import SamplingParams
 from .steps import TokenSource
+from .target import FeatureRows
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Commit:
 
     start: int
     tokens: Sequence[int]
-    features: Callable[[], np.ndarray] | None = None  # valid only while observe() runs
+    # appends the tokens' layer-input features to the rows given; valid only while observe() runs
+    features: Callable[[FeatureRows], None] | None = None
 
 
 class DraftSource(ABC):
@@ -107,15 +109,13 @@ class NativeDrafterSource(DraftSource):
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
         self._n = 0  # positions injected into the drafter's KV cache
-        self._pending: list[np.ndarray] = []
-        self._n_pending = 0  # rows in _pending (a long plain streak holds hundreds of them)
+        self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
 
     def cached(self) -> int:
         return self._n
 
     def truncate(self, n: int) -> None:
         self._pending.clear()
-        self._n_pending = 0
         if n < self._n:
             self.drafter.remove(n)
             self._n = n
@@ -135,15 +135,13 @@ class NativeDrafterSource(DraftSource):
         return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
 
     def observe(self, commit: Commit) -> None:
-        if commit.start != self._n + self._n_pending:
+        if commit.start != self._n + len(self._pending):
             raise RuntimeError(f"drafter features out of order: commit at {commit.start}, drafter at {self._n}")
-        self._pending.append(commit.features())
-        self._n_pending += len(commit.tokens)
+        commit.features(self._pending)
 
     def finish(self) -> None:
-        if self._pending:
-            features = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        n = len(self._pending)
+        if n:
+            self.drafter.inject(self._pending.view(), self._n)
             self._pending.clear()
-            self._n_pending = 0
-            self.drafter.inject(features, self._n)
-            self._n += len(features)
+            self._n += n

@@ -221,6 +221,47 @@ class SharedModel:
         return self._users
 
 
+class FeatureRows:
+    """Feature rows gathered decode by decode into one growing float32 buffer, for a drafter to take at once.
+
+    Target.append_features writes at an address computed here, so a decode cycle allocates nothing (numpy
+    allocations and address lookups were most of what a plain cycle cost on top of plain decoding).
+    """
+
+    def __init__(self, width: int, capacity: int = 64) -> None:
+        if width < 1:
+            raise ValueError(f"feature width must be >= 1, got {width}")
+        self.width = width
+        self._data = np.empty((max(1, capacity), width), np.float32)
+        self._address = self._data.ctypes.data
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def reserve(self, n: int) -> int:
+        """Room for n more rows, counted as held; returns the address of the first of them."""
+        if self._n + n > len(self._data):
+            grown = np.empty((max(2 * len(self._data), self._n + n), self.width), np.float32)
+            grown[: self._n] = self._data[: self._n]
+            self._data, self._address = grown, grown.ctypes.data
+        address = self._address + self._n * self.width * 4
+        self._n += n
+        return address
+
+    def extend(self, block: np.ndarray) -> None:
+        start = self._n
+        self.reserve(len(block))
+        self._data[start : self._n] = block
+
+    def view(self) -> np.ndarray:
+        """The rows held, as a view: valid until the next reserve or clear."""
+        return self._data[: self._n]
+
+    def clear(self) -> None:
+        self._n = 0
+
+
 class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
@@ -263,6 +304,10 @@ class Target(NativeResource):
         self.decode_count = 0  # successful llama_decode calls: memory.py guards its rollbacks with it
         self._out_index = np.full(self.n_batch, -1, dtype=np.int64)
         self._n_outputs = 0
+        self._logits_view: np.ndarray | None = None  # output_logits' view, while libllama's buffer stays put
+        self._logits_key: tuple[int, int] = (0, 0)  # (buffer address, rows) the view was built for
+        self._pieces: dict[int, bytes] = {}  # token -> bytes: the vocabulary never changes
+        self._eog: dict[int, bool] = {}
         self._init_batch()
 
     def _init_batch(self) -> None:
@@ -273,6 +318,11 @@ class Target(NativeResource):
         self._nseq = np.ones(n, dtype=np.int32)
         self._seq = np.zeros((n, 1), dtype=np.int32)
         self._out = np.zeros(n, dtype=np.int8)
+        self._arange = np.arange(n, dtype=np.int32)
+        self._last_only = np.zeros(n, dtype=np.int8)  # [-k:]: logits for the last of k tokens
+        self._last_only[-1] = 1
+        self._last_index = np.full(n, -1, dtype=np.int64)
+        self._last_index[-1] = 0
         seq_ptr_t = ctypes.POINTER(capi.llama_seq_id)
         base = self._seq.ctypes.data
         self._seq_ptrs = (seq_ptr_t * n)(*[ctypes.cast(base + 4 * i, seq_ptr_t) for i in range(n)])
@@ -400,6 +450,53 @@ class Target(NativeResource):
         """One llama_decode of `tokens` at `positions` (a start position or one per token)."""
         if self._ctx is None:
             raise self._closed_error()
+        # the decode loop's own call (a short list at one start position, one sequence) is checked without
+        # numpy: a dozen numpy calls on Python that runs cache-cold after each decode cost ~0.1 ms a token
+        if type(tokens) is list and type(positions) is int and type(seq_ids) is int:
+            n = self._check_run(tokens, positions, seq_ids)
+            pos: int | np.ndarray = positions + self._arange[:n]
+        else:
+            tokens, pos, seq_ids = self._check_batch(tokens, positions, seq_ids)
+            n = len(tokens)
+        out, out_index, n_outputs = self._output_rows(logits, n)
+
+        self._tok[:n] = tokens
+        self._pos[:n] = pos
+        self._seq[:n, 0] = seq_ids
+        self._out[:n] = out
+        self._batch.n_tokens = n
+        self._features_ready = False
+        rc = capi.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            self._n_outputs = 0
+            raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, <-1: fatal)")
+        self._n_last = n
+        self.decode_count += 1
+        self._out_index[:n] = out_index
+        self._n_outputs = n_outputs
+        self._features_ready = bool(self._layers)
+
+    def _check_run(self, tokens: list, p0: int, seq_id: int) -> int:
+        """Validate consecutive positions p0.. of one sequence; returns the token count."""
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode() needs at least one token")
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.n_vocab:
+            raise ValueError(f"token ids must be in [0, {self.n_vocab}), got range [{lo}, {hi}]")
+        if p0 < 0 or p0 + n > self.n_ctx_seq:
+            raise ValueError(f"positions must be in [0, {self.n_ctx_seq}) (context per sequence), got [{p0}, {p0 + n - 1}]")
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"sequence ids must be in [0, {self.n_seq_max}), got [{seq_id}, {seq_id}]")
+        return n
+
+    def _check_batch(
+        self, tokens: Sequence[int] | np.ndarray, positions: int | Sequence[int] | np.ndarray,
+        seq_ids: int | Sequence[int] | np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Any batch: tokens, positions and sequence ids as validated int64 arrays of one length."""
         tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = tok.size
         if n == 0:
@@ -423,40 +520,22 @@ class Target(NativeResource):
             raise ValueError(f"{seq.size} sequence ids for {n} tokens")
         if seq.min() < 0 or seq.max() >= self.n_seq_max:
             raise ValueError(f"sequence ids must be in [0, {self.n_seq_max}), got [{seq.min()}, {seq.max()}]")
-        out = self._output_mask(logits, n)
+        return tok, pos, seq
 
-        self._tok[:n] = tok
-        self._pos[:n] = pos
-        self._seq[:n, 0] = seq
-        self._out[:n] = out
-        self._batch.n_tokens = n
-        self._features_ready = False
-        rc = capi.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            self._n_outputs = 0
-            raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, <-1: fatal)")
-        self._n_last = n
-        self.decode_count += 1
-        self._out_index[:n] = np.where(out, np.cumsum(out) - 1, -1)
-        self._n_outputs = int(out.sum())
-        self._features_ready = bool(self._layers)
-
-    @staticmethod
-    def _output_mask(logits: LogitsSpec, n: int) -> np.ndarray:
+    def _output_rows(self, logits: LogitsSpec, n: int) -> tuple[np.ndarray | int, np.ndarray | int, int]:
+        """(the batch's logits flags, each row's output index or -1, outputs) for a LogitsSpec over n tokens."""
         if logits is True:
-            return np.ones(n, dtype=np.int8)
+            return 1, self._arange[:n], n
         if logits is False:
-            return np.zeros(n, dtype=np.int8)
+            return 0, -1, 0
         if isinstance(logits, str):
             if logits != "last":
                 raise ValueError(f"logits must be True, False, 'last' or a sequence of bools, got {logits!r}")
-            mask = np.zeros(n, dtype=np.int8)
-            mask[-1] = 1
-            return mask
+            return self._last_only[-n:], self._last_index[-n:], 1
         mask = np.asarray(logits, dtype=bool).reshape(-1)
         if mask.size != n:
             raise ValueError(f"{mask.size} logits flags for {n} tokens")
-        return mask.astype(np.int8)
+        return mask.astype(np.int8), np.where(mask, np.cumsum(mask) - 1, -1), int(mask.sum())
 
     def logits(self, i: int) -> np.ndarray:
         """(n_vocab,) float32 copy of the logits of batch row i of the last decode."""
@@ -475,19 +554,37 @@ class Target(NativeResource):
     def output_logits(self) -> np.ndarray:
         """(n_outputs, n_vocab) read-only view of every output row of the last decode, in batch order.
 
-        No copy: valid until the next decode. Greedy decoding takes argmax straight from it.
+        No copy: valid until the next decode. Greedy decoding takes argmax straight from it. The view is
+        rebuilt only when libllama moves its logits buffer or the row count changes.
         """
         if self._ctx is None:
             raise self._closed_error()
         if self._n_outputs == 0:
             raise IndexError("the last decode produced no logits")
-        ptr = capi.llama_get_logits(self._ctx)
-        view = np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.n_vocab))
-        view.flags.writeable = False
-        return view
+        address = llama_ext.get_logits_address(self._ctx)  # also waits for the decode (llama_synchronize)
+        if not address:
+            raise RuntimeError("libllama returned no logits")
+        key = (address, self._n_outputs)
+        if self._logits_view is None or self._logits_key != key:
+            ptr = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.n_vocab))
+            self._logits_view.flags.writeable = False
+            self._logits_key = key
+        return self._logits_view
+
+    @property
+    def feature_width(self) -> int:
+        """Floats per token in captured features: every captured layer's input, in capture() order."""
+        return len(self._layers) * self.n_embd
 
     def features(self, n_tokens: int, offset: int = 0) -> np.ndarray:
         """(n_tokens, len(layers)*n_embd) float32 copy of captured layer inputs for batch rows offset.. of the last decode."""
+        rows = FeatureRows(self.feature_width if self._layers else 1, capacity=n_tokens)
+        self.append_features(rows, n_tokens, offset)
+        return rows.view()
+
+    def append_features(self, rows: "FeatureRows", n_tokens: int, offset: int = 0) -> None:
+        """Append what features(n_tokens, offset) returns to `rows`, without allocating (the loop's path)."""
         if self._ctx is None:
             raise self._closed_error()
         if not self._layers:
@@ -496,18 +593,26 @@ class Target(NativeResource):
             raise RuntimeError("no features: decode() a batch after capture()")
         if n_tokens < 0 or offset < 0 or offset + n_tokens > self._n_last:
             raise ValueError(f"rows [{offset}, {offset + n_tokens}) outside the last batch of {self._n_last} tokens")
+        if rows.width != self.feature_width:
+            raise ValueError(f"feature rows of width {rows.width}, but this target captures {self.feature_width}")
         # memmoves, not numpy views over ctypes pointers: this runs every cycle, and the views cost more than the copy
         n_layers, row_bytes = len(self._layers), self.n_embd * ctypes.sizeof(ctypes.c_float)
-        direct = n_tokens == 1 or n_layers == 1  # each layer's rows are one contiguous run of the output
-        out = np.empty((n_tokens, n_layers * self.n_embd) if direct else (n_layers, n_tokens, self.n_embd), np.float32)
-        dst, step = out.ctypes.data, (row_bytes if direct else n_tokens * row_bytes)
-        for lid in self._layers:
-            src = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
-            if not src:
-                raise RuntimeError(f"libllama captured no input for layer {lid}")
-            ctypes.memmove(dst, src + offset * row_bytes, n_tokens * row_bytes)
-            dst += step
-        return out if direct else out.transpose(1, 0, 2).reshape(n_tokens, n_layers * self.n_embd)
+        if n_tokens == 1 or n_layers == 1:  # each layer's rows are one contiguous run of the output
+            dst = rows.reserve(n_tokens)
+            for k, lid in enumerate(self._layers):
+                ctypes.memmove(dst + k * row_bytes, self._layer_input(lid) + offset * row_bytes, n_tokens * row_bytes)
+            return
+        by_layer = np.empty((n_layers, n_tokens, self.n_embd), np.float32)
+        dst = by_layer.ctypes.data
+        for k, lid in enumerate(self._layers):
+            ctypes.memmove(dst + k * n_tokens * row_bytes, self._layer_input(lid) + offset * row_bytes, n_tokens * row_bytes)
+        rows.extend(by_layer.transpose(1, 0, 2).reshape(n_tokens, n_layers * self.n_embd))
+
+    def _layer_input(self, lid: int) -> int:
+        address = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
+        if not address:
+            raise RuntimeError(f"libllama captured no input for layer {lid}")
+        return address
 
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
@@ -563,6 +668,8 @@ class Target(NativeResource):
         """The UTF-8 bytes of one token (may be part of a character)."""
         if self._ctx is None:
             raise self._closed_error()
+        if not special and token in self._pieces:
+            return self._pieces[token]
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
         buf = ctypes.create_string_buffer(64)
@@ -570,12 +677,20 @@ class Target(NativeResource):
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = capi.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
-        return buf.raw[:n]
+        piece = buf.raw[:n]
+        if not special:
+            self._pieces[int(token)] = piece
+        return piece
 
     def is_eog(self, token: int) -> bool:
         if self._ctx is None:
             raise self._closed_error()
-        return bool(capi.llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
+            eog = self._eog[int(token)] = bool(capi.llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def special_token_text(self, token: int) -> str:
         return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""

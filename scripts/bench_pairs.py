@@ -1,5 +1,6 @@
-"""Read a dflash-bench JSON run by run: the median ratio of adjacent (interleaved) DFlash and plain runs, and,
-given the target, how close to a tie the target was where a DFlash output first left the plain one.
+"""Read a dflash-bench JSON run by run: every repeat's DFlash/plain ratio (the bench's per-prompt speedup is
+their median), and, given the target, how close to a tie the target was where a DFlash output first left the
+plain one.
 
     python scripts/bench_pairs.py BENCH.json [--target T.gguf]
 

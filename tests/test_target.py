@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf.defaults import embedded_target
-from dflash_gguf.target import Target
+from dflash_gguf.target import FeatureRows, Target
 
 LAYERS = [2, 9, 16, 23, 28]
 
@@ -69,6 +69,43 @@ def test_every_way_of_reading_features_gives_the_same_rows(fresh):
         np.testing.assert_array_equal(fresh.features(len(toks) - 1, offset=1), whole[1:, 576:2 * 576])
     finally:
         fresh.capture(LAYERS)
+
+
+def test_feature_rows_gather_decodes_as_the_loop_does(fresh):
+    """The loop appends each decode's rows into one FeatureRows (no allocation per cycle): what it gathers,
+    across a prefill and single-token decodes and past the buffer's first capacity, is what features() reads."""
+    toks = fresh.tokenize("one two three four five six seven")
+    rows = FeatureRows(fresh.feature_width, capacity=2)
+    fresh.decode(toks[:4], 0)
+    expected = [fresh.features(4)]
+    fresh.append_features(rows, 4)
+    for i, tok in enumerate(toks[4:], start=4):
+        fresh.decode([tok], i, logits=True)
+        expected.append(fresh.features(1))
+        fresh.append_features(rows, 1)
+    assert len(rows) == len(toks)
+    np.testing.assert_array_equal(rows.view(), np.concatenate(expected))
+    with pytest.raises(ValueError, match="width"):
+        fresh.append_features(FeatureRows(fresh.feature_width + 1), 1)
+    rows.clear()
+    assert rows.view().shape == (0, fresh.feature_width)
+
+
+def test_logits_view_follows_the_last_decode(fresh):
+    """output_logits reuses its view while libllama's buffer stays put: it must still show each decode's rows."""
+    toks = fresh.tokenize("Hello world, this is")
+    fresh.decode(toks, 0, logits=True)
+    many = fresh.output_logits()
+    assert many.shape == (len(toks), fresh.n_vocab) and not many.flags.writeable
+    np.testing.assert_array_equal(many[-1], fresh.logits(len(toks) - 1))
+    fresh.decode([toks[0]], len(toks), logits=True)
+    one = fresh.output_logits()
+    assert one.shape == (1, fresh.n_vocab)
+    np.testing.assert_array_equal(one[0], fresh.logits(0))
+    before = one[0].copy()
+    fresh.decode([toks[1]], len(toks) + 1, logits=True)
+    assert not np.array_equal(fresh.output_logits()[0], before)
+    np.testing.assert_array_equal(fresh.output_logits()[0], fresh.logits(0))
 
 
 def test_features_and_logits_do_not_depend_on_batch_neighbours(fresh):

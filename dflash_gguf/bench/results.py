@@ -100,8 +100,14 @@ class PromptResult:
         return _median([r for g in self.of(mode) if (r := g.loop_tokens_per_s) is not None])
 
     def speedup(self, mode: str = "dflash", base: str = "plain") -> float | None:
-        """stats.speedup of the median loop rates of `mode` and `base`, measured interleaved."""
-        return speedup(self.tokens_per_s(mode), self.tokens_per_s(base))
+        """The median over repeats of stats.speedup(a `mode` run, the `base` run of the same repeat).
+
+        The two runs of a repeat ran next to each other, so a machine whose speed drifts from run to run
+        (a shared or throttled CPU: 10-20% between identical runs) cancels out of each ratio.
+        """
+        base_rates = {g.repeat: g.loop_tokens_per_s for g in self.of(base)}
+        ratios = [s for g in self.of(mode) if (s := speedup(g.loop_tokens_per_s, base_rates.get(g.repeat))) is not None]
+        return _median(ratios)
 
     def outputs_identical(self, mode: str = "dflash", base: str = "plain") -> bool | None:
         """Whether every `mode` generation produced exactly the tokens of the first `base` one."""

@@ -1,4 +1,4 @@
-"""Run the benchmark: plain decoding and DFlash (and lookup, both) interleaved (A B A B) per prompt, then the peers.
+"""Run the benchmark: plain decoding and DFlash (and lookup, both) interleaved (A B B A) per prompt, then the peers.
 
 Every mode shares the target file, its settings, the prompts and max_tokens; greedy, so outputs can be
 compared token for token. plain and dflash run on one Session; lookup and both on the Sessions users open
@@ -185,7 +185,8 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "block_size": config.block_size or f"adaptive (up to {block})",
         "sampling": "greedy",
         "modes": list(config.modes),
-        "order": "per prompt, each repeat: " + ", ".join(config.modes) + " (interleaved)",
+        "order": "per prompt, each repeat: " + ", ".join(config.modes) + ", the next repeat backwards (interleaved)",
+        "speedup": "per prompt: the median over repeats of each run's loop rate over the plain run of its repeat",
     }
     advice = kernel_advice(Path(paths[0]))
     if advice:
@@ -216,7 +217,7 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
         runs = [
             timed_generation(sessions[mode], _conversation(p), mode, r, config)
             for r in range(config.repeats)
-            for mode in config.modes
+            for mode in _order(config.modes, r)
         ]
         results.append(PromptResult(p.id, p.category, runs))
         figures = ", ".join(
@@ -224,6 +225,12 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
         )
         progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {figures}")
     return results
+
+
+def _order(modes: Sequence[str], repeat: int) -> Sequence[str]:
+    """The modes in the order of this repeat: forwards, then backwards (A B, B A, ...), so neither mode
+    always runs first after the other's garbage or on a machine speeding up or slowing down."""
+    return modes if repeat % 2 == 0 else modes[::-1]
 
 
 def _run_peers(
