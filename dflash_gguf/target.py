@@ -232,7 +232,8 @@ class FeatureRows:
         if width < 1:
             raise ValueError(f"feature width must be >= 1, got {width}")
         self.width = width
-        self._data = np.empty((max(1, capacity), width), np.float32)
+        self._capacity = max(1, capacity)
+        self._data = np.empty((self._capacity, width), np.float32)
         self._address = self._data.ctypes.data
         self._n = 0
 
@@ -259,7 +260,11 @@ class FeatureRows:
         return self._data[: self._n]
 
     def clear(self) -> None:
+        """Hold no rows; storage a long prompt grew is given back (a plain streak's is kept for the next)."""
         self._n = 0
+        if len(self._data) > 4 * self._capacity:
+            self._data = np.empty((self._capacity, self.width), np.float32)
+            self._address = self._data.ctypes.data
 
 
 class Target(NativeResource):

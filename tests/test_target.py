@@ -75,7 +75,7 @@ def test_feature_rows_gather_decodes_as_the_loop_does(fresh):
     """The loop appends each decode's rows into one FeatureRows (no allocation per cycle): what it gathers,
     across a prefill and single-token decodes and past the buffer's first capacity, is what features() reads."""
     toks = fresh.tokenize("one two three four five six seven")
-    rows = FeatureRows(fresh.feature_width, capacity=2)
+    rows = FeatureRows(fresh.feature_width, capacity=1)
     fresh.decode(toks[:4], 0)
     expected = [fresh.features(4)]
     fresh.append_features(rows, 4)
@@ -89,6 +89,7 @@ def test_feature_rows_gather_decodes_as_the_loop_does(fresh):
         fresh.append_features(FeatureRows(fresh.feature_width + 1), 1)
     rows.clear()
     assert rows.view().shape == (0, fresh.feature_width)
+    assert rows._data.shape[0] == 1  # grown past 4x its capacity: given back
 
 
 def test_logits_view_follows_the_last_decode(fresh):

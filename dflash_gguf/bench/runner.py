@@ -1,9 +1,11 @@
-"""Run the benchmark: plain decoding and DFlash (and lookup, both) interleaved (A B B A) per prompt, then the peers.
+"""Run the benchmark: plain decoding and DFlash (and lookup, both) in lockstep per prompt, then the peers.
 
 Every mode shares the target file, its settings, the prompts and max_tokens; greedy, so outputs can be
-compared token for token. plain and dflash run on one Session; lookup and both on the Sessions users open
-for them (drafter-free, and lookup=True). Every run prefills the whole prompt (the caches are cleared
-first), so TTFT and prefill mean the same thing in every mode. Per-cycle figures are views of the stats
+compared token for token. plain runs on the drafter's Session and dflash on a fork of it (one copy of the
+weights); lookup and both on the Sessions users open for them (drafter-free, and lookup=True). The modes of
+a repeat advance in lockstep, one cycle each in turn, so a drifting machine speed cancels out of their
+ratios. Every run prefills the whole prompt (the caches are cleared first), so TTFT and prefill mean the
+same thing in every mode. Per-cycle figures are views of the stats
 model (dflash_gguf.stats) over the Steps each run yielded, and every speedup is stats.speedup.
 """
 
@@ -80,36 +82,55 @@ def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
     return prompt, session.tokenize(prompt, add_special=False)
 
 
-def timed_generation(session, messages: list[dict], mode: str, repeat: int, config: BenchConfig) -> Generation:
-    """One generation, timed from the caller's side (TTFT, decode span); every per-cycle figure is a view of
-    the stats model over the Steps it yielded, and `stats` is the Session's own."""
-    steps: list[Step] = []
-    start = time.perf_counter()
-    previous = first = start
-    for step in chat_steps(
-        session, messages, max_tokens=config.max_tokens, speculative=mode != "plain", block_size=config.block_size
-    ):
-        now = time.perf_counter()
-        steps.append(step)
-        if step.kind is StepKind.PREFILL:
-            first = now
-        previous = now
-    stats = session.last_stats
-    return Generation(
-        mode, repeat, [t for step in steps for t in step.tokens], prefill_s=stats.prefill_s, ttft_s=first - start,
-        decode_s=previous - first, steps=steps, stats=stats,
-    )
+def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[str], repeat: int,
+                         config: BenchConfig) -> list[Generation]:
+    """One generation per mode, each on its own Session, advanced one cycle at a time in turn.
+
+    Modes take turns every few milliseconds, so a machine whose speed drifts (a shared or throttled CPU
+    changes 10-20% between identical one-second runs) slows them alike, and their ratio keeps only what
+    the modes really cost. Each mode is timed over its own turns only: TTFT, decode span; every per-cycle
+    figure is a view of the stats model over the Steps it yielded, and `stats` is its Session's own.
+    """
+    streams = {
+        m: iter(chat_steps(sessions[m], messages, max_tokens=config.max_tokens, speculative=m != "plain",
+                           block_size=config.block_size))
+        for m in modes
+    }
+    steps: dict[str, list[Step]] = {m: [] for m in modes}
+    spent = dict.fromkeys(modes, 0.0)
+    ttft = dict.fromkeys(modes, 0.0)
+    live = list(modes)
+    while live:
+        for mode in list(live):
+            start = time.perf_counter()
+            step = next(streams[mode], None)
+            spent[mode] += time.perf_counter() - start
+            if step is None:
+                live.remove(mode)
+                continue
+            steps[mode].append(step)
+            if step.kind is StepKind.PREFILL:
+                ttft[mode] = spent[mode]
+    out = []
+    for mode in modes:
+        stats = sessions[mode].last_stats
+        tokens = [t for step in steps[mode] for t in step.tokens]
+        out.append(Generation(mode, repeat, tokens, prefill_s=stats.prefill_s, ttft_s=ttft[mode],
+                              decode_s=spent[mode] - ttft[mode], steps=steps[mode], stats=stats))
+    return out
 
 
 def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> dict:
-    """The Session each mode runs on: plain and dflash on the drafter's Session, lookup on a drafter-free
-    Session (lookup is on by default there), both on Session(..., lookup=True): the paths users run."""
+    """The Session each mode runs on: plain on the drafter's Session, dflash on a fork of it (same weights,
+    its own contexts: the modes run side by side), lookup on a drafter-free Session (lookup is on by
+    default there), both on Session(..., lookup=True): the paths users run."""
     from dflash_gguf.session import Session
 
     target, drafter = session.target.path, session.drafter.path
-    opened = {"plain": session, "dflash": session}
+    opened = {"plain": session}
     kwargs = dict(n_ctx=config.n_ctx, n_threads=config.n_threads)
     try:
+        opened["dflash"] = session.fork()
         if "lookup" in modes:
             opened["lookup"] = Session(target, None, lookup=True, **kwargs)
         if "both" in modes:
@@ -185,7 +206,8 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "block_size": config.block_size or f"adaptive (up to {block})",
         "sampling": "greedy",
         "modes": list(config.modes),
-        "order": "per prompt, each repeat: " + ", ".join(config.modes) + ", the next repeat backwards (interleaved)",
+        "order": "per prompt, each repeat: " + ", ".join(config.modes) + " in lockstep (one cycle each in turn, "
+        "each on its own context), the next repeat in reverse turn order",
         "speedup": "per prompt: the median over repeats of each run's loop rate over the plain run of its repeat",
     }
     advice = kernel_advice(Path(paths[0]))
@@ -209,15 +231,12 @@ def _conversation(p: Prompt) -> list[dict]:
 def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], None]) -> list[PromptResult]:
     """Every prompt in every mode, `repeats` times, interleaved per prompt; a warm-up first."""
     if config.warmup:
-        first = _conversation(config.prompts[0])
-        for mode in config.modes:
-            timed_generation(sessions[mode], first, mode, -1, config)
+        lockstep_generations(sessions, _conversation(config.prompts[0]), config.modes, -1, config)
     results = []
     for i, p in enumerate(config.prompts, 1):
         runs = [
-            timed_generation(sessions[mode], _conversation(p), mode, r, config)
-            for r in range(config.repeats)
-            for mode in _order(config.modes, r)
+            g for r in range(config.repeats)
+            for g in lockstep_generations(sessions, _conversation(p), _order(config.modes, r), r, config)
         ]
         results.append(PromptResult(p.id, p.category, runs))
         figures = ", ".join(
@@ -228,8 +247,7 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
 
 
 def _order(modes: Sequence[str], repeat: int) -> Sequence[str]:
-    """The modes in the order of this repeat: forwards, then backwards (A B, B A, ...), so neither mode
-    always runs first after the other's garbage or on a machine speeding up or slowing down."""
+    """The modes' turn order in this repeat: forwards, then backwards, so no mode always goes first."""
     return modes if repeat % 2 == 0 else modes[::-1]
 
 
