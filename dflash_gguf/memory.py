@@ -29,7 +29,7 @@ MAX_TURN_CHECKPOINTS = 4  # prompt-end and end-of-turn checkpoints kept for pref
 
 
 def rs_seq_for(max_block: int, n_batch: int | None = None) -> int:
-    """n_rs_seq for a target whose verify batches are at most `max_block` tokens (the drafter's block size).
+    """n_rs_seq for a target whose verify batches are at most `max_block` tokens (target_gguf.drafter_verify_tokens).
 
     A verify keeps at least its first token, so it rolls back at most max_block - 1. libllama also needs
     n_rs_seq + 1 < n_ubatch (= n_batch here): a block as long as the batch rolls back with a checkpoint.

@@ -28,7 +28,7 @@ from .sources import DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step
 from .target import ClosedError, Target
-from .target_gguf import drafter_block_size
+from .target_gguf import drafter_verify_tokens
 
 Message = Mapping[str, Any]
 
@@ -60,7 +60,7 @@ def _rs_seq(drafter: str | os.PathLike[str] | None, n_batch: int) -> int:
     if drafter is None or not isinstance(n_batch, int):
         return 0
     try:
-        return rs_seq_for(drafter_block_size(drafter), n_batch)
+        return rs_seq_for(drafter_verify_tokens(drafter), n_batch)
     except Exception:  # noqa: BLE001 - reported by Drafter with the file and field
         return 0
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import gguf
 import numpy as np
 
-from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, Keys
+from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, Keys, Tensors
 
 # llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp): their memory cannot be
 # truncated to an earlier position; dflash_gguf.memory rolls them back with snapshots or checkpoints.
@@ -207,8 +207,15 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return value
 
 
-def drafter_block_size(path: str | Path) -> int:
-    """A drafter GGUF's `dflash.block_size` (metadata only), so a target context can be sized for it first."""
-    path = Path(path)
-    value = field_value(open_gguf(path), Keys.BLOCK_SIZE)
-    return int(value) if value is not None else DEFAULT_BLOCK_SIZE
+def drafter_verify_tokens(path: str | Path) -> int:
+    """The longest verify batch a drafter GGUF's blocks make (metadata and tensor names only), so a target
+    context can be sized for it first: `dflash.block_size`, one more for an anchor-first DSpark drafter,
+    whose slot 0 drafts too. libllama decides the kind as Drafter does: a selector makes DFlash2, else a
+    Markov head makes DSpark."""
+    reader = open_gguf(Path(path))
+    block = field_value(reader, Keys.BLOCK_SIZE)
+    block = int(block) if block is not None else DEFAULT_BLOCK_SIZE
+    dflash2 = int(field_value(reader, Keys.SELECTOR_TOP_K) or 0) > 0
+    dspark = not dflash2 and any(t.name == Tensors.MARKOV_W1 for t in reader.tensors)
+    anchor = field_value(reader, Keys.SAMPLE_FROM_ANCHOR)
+    return block + 1 if dspark and (anchor is None or bool(anchor)) else block

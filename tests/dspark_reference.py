@@ -52,20 +52,43 @@ def make_dspark_checkpoint(
     """
     directory = Path(directory)
     make_reference_checkpoint(directory, kind="dflash", seed=seed, block_size=block_size)
+    return add_dspark_heads(
+        directory, vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, anchor_first=anchor_first, confidence=confidence,
+        draft_vocab=draft_vocab, schema=schema, rank=rank, seed=seed, markov_scale=markov_scale,
+        extra_config=extra_config,
+    )
+
+
+def add_dspark_heads(
+    directory: Path,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    anchor_first: bool = True,
+    confidence: bool = True,
+    draft_vocab: int | None = None,
+    schema: str = "deepspec",
+    rank: int = MARKOV_RANK,
+    seed: int = 0,
+    markov_scale: float = 2.0,
+    extra_config: dict | None = None,
+) -> Path:
+    """Turn a reference DFlash checkpoint folder (any target geometry) into a DSpark one, in place."""
+    directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     state = load_file(directory / "model.safetensors")
     g = torch.Generator().manual_seed(1000 + seed)
-    n_rows = draft_vocab or VOCAB_SIZE
-    state["markov_head.markov_w1.weight"] = (torch.randn(VOCAB_SIZE, rank, generator=g) * markov_scale).to(torch.bfloat16)
+    n_rows = draft_vocab or vocab_size
+    state["markov_head.markov_w1.weight"] = (torch.randn(vocab_size, rank, generator=g) * markov_scale).to(torch.bfloat16)
     state["markov_head.markov_w2.weight"] = (torch.randn(n_rows, rank, generator=g) * markov_scale).to(torch.bfloat16)
     if confidence:
-        state["confidence_head.proj.weight"] = (torch.randn(1, HIDDEN_SIZE + rank, generator=g) * 0.1).to(torch.bfloat16)
+        state["confidence_head.proj.weight"] = (torch.randn(1, hidden_size + rank, generator=g) * 0.1).to(torch.bfloat16)
         state["confidence_head.proj.bias"] = torch.tensor([0.5], dtype=torch.bfloat16)
     if draft_vocab:
-        ids = np.sort(np.random.default_rng(seed).choice(VOCAB_SIZE, size=draft_vocab, replace=False))
+        ids = np.sort(np.random.default_rng(seed).choice(vocab_size, size=draft_vocab, replace=False))
         state["d2t"] = torch.from_numpy(ids - np.arange(draft_vocab)).to(torch.int64)
-        state["t2d"] = torch.zeros(VOCAB_SIZE, dtype=torch.bool)  # ignored, as upstream does
-        state["lm_head.weight"] = (torch.randn(draft_vocab, HIDDEN_SIZE, generator=g) * 0.02).to(torch.bfloat16)
+        state["t2d"] = torch.zeros(vocab_size, dtype=torch.bool)  # ignored, as upstream does
+        state["lm_head.weight"] = (torch.randn(draft_vocab, hidden_size, generator=g) * 0.02).to(torch.bfloat16)
     save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors")
 
     dflash_config = config.pop("dflash_config")
@@ -79,7 +102,7 @@ def make_dspark_checkpoint(
     if draft_vocab:
         config["draft_vocab_size"] = draft_vocab
     if schema == "deepspec":
-        config.update(architectures=["Qwen3DSparkModel"], mask_token_id=MASK_TOKEN_ID,
+        config.update(architectures=["Qwen3DSparkModel"], mask_token_id=dflash_config["mask_token_id"],
                       target_layer_ids=list(dflash_config["target_layer_ids"]))
         if not anchor_first:
             config["sample_from_anchor"] = False
@@ -91,7 +114,7 @@ def make_dspark_checkpoint(
             "architectures": ["DSparkSpeculator"],
             "transformer_layer_config": backbone,
             "aux_hidden_state_layer_ids": [i + 1 for i in dflash_config["target_layer_ids"]],
-            "mask_token_id": MASK_TOKEN_ID,
+            "mask_token_id": dflash_config["mask_token_id"],
             **config,
         }
         if anchor_first:

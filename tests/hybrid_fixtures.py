@@ -228,16 +228,23 @@ def draft_config(*, kind: str = "dflash", target_layer_ids: Sequence[int] = DRAF
 
 
 def build_drafter_checkpoint(directory: Path, *, kind: str = "dflash", seed: int = 0) -> Path:
-    """A random reference DFlash/DFlash2 checkpoint (bf16) for the hybrid fixtures' geometry."""
+    """A random reference checkpoint (bf16) for the hybrid fixtures' geometry: DFlash/DFlash2 from z-lab's
+    package; "dspark": the DFlash one with DeepSpec's Markov head added (anchor-first, no confidence head)."""
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
 
-    model = (DFlash2DraftModel if kind == "dflash2" else DFlashDraftModel)(draft_config(kind=kind))
+    if kind not in ("dflash", "dflash2", "dspark"):
+        raise ValueError(f"kind must be 'dflash', 'dflash2' or 'dspark', got {kind!r}")
+    model = (DFlash2DraftModel if kind == "dflash2" else DFlashDraftModel)(draft_config(kind=kind if kind == "dflash2" else "dflash"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.02
             param.copy_(1.0 + noise if "norm" in name else noise)
     model.to(torch.bfloat16).save_pretrained(directory)
+    if kind == "dspark":
+        from dspark_reference import add_dspark_heads
+
+        add_dspark_heads(Path(directory), vocab_size=VOCAB, hidden_size=HIDDEN, confidence=False, seed=seed)
     return Path(directory)
 
 

@@ -22,7 +22,7 @@ from dflash_gguf.convert.cli import main
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.drafter import Drafter
 from dflash_gguf.schema import Keys, Tensors
-from dflash_gguf.target_gguf import field_value
+from dflash_gguf.target_gguf import drafter_verify_tokens, field_value
 
 BLOCK = 8
 VARIANTS = {
@@ -124,6 +124,8 @@ def test_native_block_matches_the_reference_forward(dspark, name, target, embedd
     try:
         assert drafter.kind == "dspark"
         assert drafter.max_draft == (BLOCK if anchor else BLOCK - 1)  # anchor-first: B drafts from a block of B
+        # what a hybrid target's snapshots are sized from, read before any context exists: the longest verify
+        assert drafter_verify_tokens(dspark(name)[1]) == drafter.max_draft + 1
         assert drafter.has_confidence_head == conf
         rng = np.random.default_rng(1)
         p0 = 7

@@ -13,7 +13,7 @@ from dflash_gguf import Session, Target
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.drafter import Drafter
 from dflash_gguf.memory import HybridMemory, KVTruncation, memory_for, rs_seq_for
-from dflash_gguf.target_gguf import drafter_block_size, read_target_info
+from dflash_gguf.target_gguf import drafter_verify_tokens, read_target_info
 
 from hybrid_fixtures import DRAFT_BLOCK, build_drafter_checkpoint
 from test_hybrid_session import open_session
@@ -188,7 +188,7 @@ def test_mrope_drafter_conversion(hybrid_models, tmp_path):
     ckpt = build_drafter_checkpoint(tmp_path / "ckpt", kind="dflash", seed=3)
     paired = convert_checkpoint(ckpt, tmp_path / "paired.gguf", target=target_path, progress=False)
     plain = convert_checkpoint(ckpt, tmp_path / "plain.gguf", progress=False)
-    assert drafter_block_size(paired) == DRAFT_BLOCK
+    assert drafter_verify_tokens(paired) == DRAFT_BLOCK  # DFlash: the block holds the last token and B - 1 drafts
     with open_target(target_path, 0) as t:
         with Drafter(paired, t) as a, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the unpaired file has no fingerprint: warned, not refused

@@ -131,3 +131,21 @@ def test_the_greedy_check_sees_a_wrong_rollback(hybrid_models, reference):
         t.remove(0, len(prompt) + 6)  # two tokens behind the last call: returns True, state is wrong
         t.decode(want[6:12], len(prompt) + 6, logits=True)
         assert list(t.output_logits().argmax(axis=1)[:-1]) != want[7:12]
+
+
+def test_anchor_first_dspark_rolls_a_full_block_back_with_snapshots(hybrid_models, reference):
+    """An anchor-first DSpark block of B drafts B tokens, so its verify is B + 1 tokens and rolls back up to
+    B: the Session sizes n_rs_seq = B from the drafter file (B - 1 would send every full block to checkpoint
+    and replay), and the output is still plain decoding's."""
+    want = reference("qwen35")
+    drafter = hybrid_models.drafter("qwen35", "dspark")
+    with Session(hybrid_models.target("qwen35"), drafter, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as s:
+        assert s.drafter.kind == "dspark" and s.drafter.sample_from_anchor
+        block = s.drafter.block_size
+        assert s.target.n_rs_seq == block == s.drafter.max_draft
+        before = dict(s.memory.rollbacks)
+        steps = list(s.stream(PROMPT, max_tokens=len(want), block_size=block))
+        assert [t for step in steps for t in step.tokens] == want
+        assert max(step.block_size for step in steps) == block + 1  # full blocks were verified
+        done = {k: s.memory.rollbacks[k] - before[k] for k in before}
+        assert done["snapshot"] > 0 and done["checkpoint"] == 0, done
