@@ -20,8 +20,9 @@ import numpy as np
 
 
 def paired_ratios(prompt: dict) -> list[float]:
-    rates = {mode: [r["loop_tokens_per_s"] for r in prompt["runs"] if r["mode"] == mode] for mode in ("plain", "dflash")}
-    return [d / p for p, d in zip(rates["plain"], rates["dflash"])]
+    """Each repeat's DFlash loop rate over the plain one of the same repeat, as the bench pairs them."""
+    rates = {(r["mode"], r["repeat"]): r["loop_tokens_per_s"] for r in prompt["runs"]}
+    return [rate / rates["plain", k] for (mode, k), rate in rates.items() if mode == "dflash"]
 
 
 def first_difference(prompt: dict) -> tuple[list[int], int, int] | None:

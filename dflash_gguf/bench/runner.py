@@ -5,8 +5,8 @@ compared token for token. plain runs on the drafter's Session and dflash on a fo
 weights); lookup and both on the Sessions users open for them (drafter-free, and lookup=True). The modes of
 a repeat advance in lockstep, one cycle each in turn, so a drifting machine speed cancels out of their
 ratios. Every run prefills the whole prompt (the caches are cleared first), so TTFT and prefill mean the
-same thing in every mode. Per-cycle figures are views of the stats
-model (dflash_gguf.stats) over the Steps each run yielded, and every speedup is stats.speedup.
+same thing in every mode. Per-cycle figures are views of the stats model (dflash_gguf.stats) over the
+Steps each run yielded, and every speedup is stats.speedup.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _conversation(p: Prompt) -> list[dict]:
 
 
 def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], None]) -> list[PromptResult]:
-    """Every prompt in every mode, `repeats` times, interleaved per prompt; a warm-up first."""
+    """Every prompt in every mode, `repeats` times, each repeat's modes in lockstep; a warm-up first."""
     if config.warmup:
         lockstep_generations(sessions, _conversation(config.prompts[0]), config.modes, -1, config)
     results = []
