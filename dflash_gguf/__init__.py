@@ -1,5 +1,7 @@
 """DFlash block-diffusion speculative decoding for llama.cpp GGUF models."""
 
+from .checks import SettingError
+from .config import GenerationConfig, SessionOptions
 from .drafter import Drafter, PairingError
 from .sampling import SamplingParams
 from .session import Result, Session, SessionBusyError, SessionClosedError
@@ -8,6 +10,7 @@ from .steps import Step, StepKind, TokenSource
 from .target import Target
 
 __all__ = [
-    "Drafter", "GenerationStats", "PairingError", "Result", "SamplingParams", "Session", "SessionBusyError",
-    "SessionClosedError", "Step", "StepKind", "Target", "TokenSource",
+    "Drafter", "GenerationConfig", "GenerationStats", "PairingError", "Result", "SamplingParams", "Session",
+    "SessionBusyError", "SessionClosedError", "SessionOptions", "SettingError", "Step", "StepKind", "Target",
+    "TokenSource",
 ]

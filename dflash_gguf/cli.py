@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from .cli_parser import EXIT_BAD_INPUT, OneLineParser
-from .decoding import Step
+from .config import GenerationConfig, SessionOptions, add_arguments, from_arguments
+from .steps import Step
 from .session import Session
 from .stats import GenerationStats, generation_speedup
+
+
+GENERATION = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size")
+SESSION = ("n_ctx", "n_gpu_layers", "n_threads", "lookup")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,53 +31,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the one shipped for the embedded target)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--block-size", type=int, help="fixed block size (default: adaptive)")
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--n-gpu-layers", type=int, default=0, help="-1 offloads every layer (CUDA/Metal builds)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: llama.cpp's choice)")
+    add_arguments(p, GenerationConfig, GENERATION, max_tokens=256)
+    add_arguments(p, SessionOptions, SESSION)
     p.add_argument("--compare", action="store_true", help="then decode the same prompt plainly and report the speedup")
     return p
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Refuse what would otherwise fail deep inside the Session, in one line."""
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[GenerationConfig, SessionOptions]:
+    """Refuse what would otherwise fail deep inside the Session, in one line; the settings the flags make."""
     if a.drafter is not None and a.target is None:
         p.error("--drafter needs --target: the embedded drafter belongs to the embedded target")
     for flag, path in (("--target", a.target), ("--drafter", a.drafter)):
         if path is not None and not path.is_file():
             p.error(f"{flag} {path}: no such file")
-    if a.max_tokens < 1:
-        p.error(f"--max-tokens must be >= 1, got {a.max_tokens}")
-    if a.n_ctx < 16:
-        p.error(f"--n-ctx must be >= 16, got {a.n_ctx}")
-    if a.threads is not None and a.threads < 1:
-        p.error(f"--threads must be >= 1, got {a.threads}")
     if a.raw and a.system:
         p.error("--system has no place in a --raw prompt")
+    return from_arguments(p, GenerationConfig, a, GENERATION), from_arguments(p, SessionOptions, a, SESSION)
 
 
-def _steps(session: Session, a: argparse.Namespace, prompt: str, speculative: bool) -> Iterator[Step]:
-    gen = dict(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-        seed=a.seed, speculative=speculative, block_size=a.block_size,
-    )
+def _steps(session: Session, a: argparse.Namespace, prompt: str, config: GenerationConfig) -> Iterator[Step]:
     if a.raw:
-        return session.stream(prompt, **gen)
+        return session.stream(prompt, config)
     messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
-    return session.stream_chat(messages, **gen)
+    return session.stream_chat(messages, config)
 
 
 def _run(
-    session: Session, a: argparse.Namespace, prompt: str, *, speculative: bool, echo: bool
+    session: Session, a: argparse.Namespace, prompt: str, config: GenerationConfig, *, echo: bool
 ) -> tuple[list[int], GenerationStats]:
     """One generation; prints its summary line to stderr and returns its tokens and stats."""
     tokens: list[int] = []
-    for step in _steps(session, a, prompt, speculative):
+    for step in _steps(session, a, prompt, config):
         tokens += step.tokens
         if echo:
             sys.stdout.write(step.text)
@@ -90,14 +80,14 @@ def _run(
 def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
-    _check_args(p, a)
+    config, options = _check_args(p, a)
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     try:
-        with Session(a.target, a.drafter, n_ctx=a.n_ctx, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads) as session:
-            tokens, fast = _run(session, a, prompt, speculative=True, echo=True)
+        with Session(a.target, a.drafter, options) as session:
+            tokens, fast = _run(session, a, prompt, config, echo=True)
             if a.compare:
                 session.reset()  # the same cold start as the first run: same prompt split, same kernels
-                plain_tokens, slow = _run(session, a, prompt, speculative=False, echo=False)
+                plain_tokens, slow = _run(session, a, prompt, replace(config, speculative=False), echo=False)
                 same = "identical" if tokens == plain_tokens else "different (see README: batched kernels)"
                 ratio = generation_speedup(fast, slow)
                 figure = "not measured (no decoding cycle)" if ratio is None else f"{ratio:.2f}x"

@@ -16,38 +16,13 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled
-from .confidence import check_threshold
+from .config import GenerationConfig
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource
 from .steps import Step, StepKind, TokenSource
 from .target import Target
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Generation arguments shared by generate/stream/chat, validated once."""
-
-    max_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    speculative: bool = True
-    block_size: int | None = None
-    confidence_threshold: float | None = None  # cut drafts at the first predicted acceptance below it (DSpark)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not isinstance(self.speculative, bool):
-            raise TypeError(f"speculative must be a bool, got {self.speculative!r}")
-        b = self.block_size
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
-            raise ValueError(f"block_size must be None (adaptive) or an integer >= 1, got {b!r}")
-        if self.confidence_threshold is not None:
-            check_threshold(self.confidence_threshold)
 
 
 @dataclass
@@ -155,6 +130,7 @@ def decode_steps(
     params = config.sampling
     rng = params.rng()
     text = TextStream(target, config.stop)
+    max_tokens = n_ctx if config.max_tokens is None else config.max_tokens  # None: until the context is full
     features = any(s.needs_features for s in active)
 
     keep = min([cache.common_prefix(prompt)] + [s.cached() for s in active])
@@ -185,7 +161,7 @@ def decode_steps(
         s.finish()
     prefill_s = time.perf_counter() - t0
 
-    out = _commit([last], [TokenSource.PREFILL], text, target, config, 0)
+    out = _commit([last], [TokenSource.PREFILL], text, target, max_tokens, 0)
     n_generated = 1
     done = out.finish_reason
     yield Step(kind=StepKind.PREFILL, verify_s=prefill_s, block_size=1, reason="prefill", **out.fields())
@@ -199,7 +175,7 @@ def decode_steps(
                        reason="context full", finish_reason="length")
             return
         # the block [last, drafts] must fit the context and one batch, and commit no more than max_tokens allows
-        room = max(0, min(n_ctx - n_past - 1, target.n_batch - 1, config.max_tokens - n_generated - 1))
+        room = max(0, min(n_ctx - n_past - 1, target.n_batch - 1, max_tokens - n_generated - 1))
         choice = policy.choose(_offers(active, last, n_past, room))
         if choice.n_draft > room:
             choice = _shorten(choice, room)
@@ -232,7 +208,7 @@ def decode_steps(
 
         drafted = by_name[choice.source].provenance if n_draft else None
         provenance = [drafted] * n_accepted + [TokenSource.BONUS if n_draft else TokenSource.PLAIN]
-        out = _commit(block[1 : n_accepted + 1] + [bonus], provenance, text, target, config, n_generated)
+        out = _commit(block[1 : n_accepted + 1] + [bonus], provenance, text, target, max_tokens, n_generated)
         n_generated += n_accepted + 1
         done = out.finish_reason
         last = bonus
@@ -308,7 +284,7 @@ class _Committed:
 
 
 def _commit(
-    new: list[int], provenance: Sequence[TokenSource], text: TextStream, target: Target, config: GenerationConfig,
+    new: list[int], provenance: Sequence[TokenSource], text: TextStream, target: Target, max_tokens: int,
     n_generated: int,
 ) -> _Committed:
     """Apply the stop rules to freshly committed tokens: EOG, stop strings, max_tokens, in token order."""
@@ -326,7 +302,7 @@ def _commit(
         if stopped:
             finish = "stop"
             break
-        if n_generated + i + 1 >= config.max_tokens:
+        if n_generated + i + 1 >= max_tokens:
             pieces += text.flush(src)
             finish = "length"
             break

@@ -6,23 +6,24 @@ so speculative rejection sampling reproduces exactly what plain sampling from th
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+from .checks import checked, integer, optional, real
 
 # Nucleus search starts from this many candidates and widens 4x until the kept mass reaches top_p:
 # typical nuclei are far smaller than the vocabulary, so a full sort of V logits is rarely needed.
 _NUCLEUS_FIRST_CANDIDATES = 1024
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+# each sampling setting's check, shared with GenerationConfig (config.py)
+CHECKS = {
+    "temperature": real(0.0, note=" (0 = greedy)"),
+    "top_p": real(0.0, 1.0, low_open=True),
+    "top_k": integer(0, " (0 = off)"),
+    "seed": optional(integer(0), "fresh entropy"),
+}
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its value."""
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
-        k = self.top_k
-        if not _is_integer(k) or k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
-        s = self.seed
-        if s is not None and (not _is_integer(s) or s < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {s!r}")
+        """Raise SettingError (a ValueError) naming the first bad field and its value."""
+        for name, check in CHECKS.items():
+            checked(name, check, getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -19,11 +19,11 @@ from .controller import (
     AdaptivePolicy, BlockController, CostModel, FixedPolicy, LookupPolicy, Policy, calibrate, calibrate_verify,
     extend_verify_costs,
 )
-from .decoding import CacheState, GenerationConfig, decode_steps
+from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
+from .decoding import CacheState, decode_steps
 from .drafter import Drafter
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
-from .sampling import SamplingParams
 from .sources import DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step
@@ -100,31 +100,25 @@ class Session:
         self,
         target: str | os.PathLike[str] | None = None,
         drafter: str | os.PathLike[str] | None = None,
-        *,
-        n_ctx: int = 4096,
-        n_gpu_layers: int = 0,
-        n_threads: int | None = None,
-        n_batch: int = 512,
-        flash_attn: bool = True,
-        verbose: bool = False,
-        wait: bool = True,
-        n_rs_seq: int | None = None,
-        lookup: bool | None = None,
+        options: SessionOptions | None = None,
+        **settings: Any,
     ) -> None:
+        """`options` (or the defaults) with any SessionOptions field given by name, e.g. n_ctx=2048."""
+        o = SessionOptions.build(options, **settings)
         if drafter is None and target is None:
             drafter = _default_drafter()
         tgt = Target.open(
             defaults.embedded_target() if target is None else target,
-            n_ctx=n_ctx,
-            n_batch=n_batch,
-            n_gpu_layers=n_gpu_layers,
-            n_threads=n_threads,
-            flash_attn=flash_attn,
-            verbose=verbose,
-            n_rs_seq=_rs_seq(drafter, n_batch) if n_rs_seq is None else n_rs_seq,
+            n_ctx=o.n_ctx,
+            n_batch=o.n_batch,
+            n_gpu_layers=o.n_gpu_layers,
+            n_threads=o.n_threads,
+            flash_attn=o.flash_attn,
+            verbose=o.verbose,
+            n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
         )
         try:
-            self._attach(tgt, drafter, n_threads, wait=wait, lookup=lookup)
+            self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup)
         except BaseException:
             tgt.close()
             raise
@@ -144,8 +138,9 @@ class Session:
 
         Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README).
         """
+        o = SessionOptions.build(n_threads=n_threads, wait=wait, lookup=lookup)
         self = cls.__new__(cls)
-        self._attach(Target.from_llama(llama), drafter, n_threads, wait=wait, lookup=lookup)
+        self._attach(Target.from_llama(llama), drafter, o.n_threads, wait=o.wait, lookup=o.lookup)
         self._llama = llama
         llama.reset()
         return self
@@ -174,10 +169,6 @@ class Session:
         wait: bool,
         lookup: bool | None,
     ) -> None:
-        if not isinstance(wait, bool):
-            raise TypeError(f"wait must be a bool, got {wait!r}")
-        if lookup is not None and not isinstance(lookup, bool):
-            raise TypeError(f"lookup must be None (on without a drafter), True or False, got {lookup!r}")
         self.target = target
         self.drafter: Drafter | None = None
         self.memory: TargetMemory = memory_for(target)
@@ -212,40 +203,31 @@ class Session:
         self._sources.append(NativeDrafterSource(self.drafter))
 
     # -- generation ------------------------------------------------------------------------
-    def stream(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        speculative: bool = True,
-        block_size: int | None = None,
-        confidence_threshold: float | None = None,
-    ) -> Iterator[Step]:
+    # Each method takes a GenerationConfig, or its fields by name (max_tokens=64, temperature=0.7, ...) applied
+    # over `config` or the defaults; an unknown name is a TypeError, a bad value a SettingError naming it.
+    def stream(self, prompt: str, config: GenerationConfig | None = None, **settings: Any) -> Iterator[Step]:
         """One Step per decode cycle for a raw prompt (no chat template); the last Step has finish_reason."""
-        config = _config(max_tokens, temperature, top_p, top_k, seed, stop, speculative, block_size, confidence_threshold)
-        tokens = self.tokenize(prompt, add_special=True)
-        return self._steps(tokens, config)
+        config = GenerationConfig.build(config, **settings)
+        return self._steps(self.tokenize(prompt, add_special=True), config)
 
-    def generate(self, prompt: str, **gen: Any) -> Result:
-        """Complete a raw prompt; same keyword arguments as stream()."""
-        config = _config(**_gen_args(gen))
-        return self._collect(self._steps(self.tokenize(prompt, add_special=True), config))
+    def stream_tokens(self, tokens: Sequence[int], config: GenerationConfig | None = None, **settings: Any) -> Iterator[Step]:
+        """stream() for a prompt already tokenized (a server tokenizes once, to check the context before queueing)."""
+        config = GenerationConfig.build(config, **settings)
+        return self._steps(self._check_prompt_tokens(tokens), config)
 
-    def chat(self, messages: Sequence[Message], **gen: Any) -> Result:
+    def generate(self, prompt: str, config: GenerationConfig | None = None, **settings: Any) -> Result:
+        """Complete a raw prompt."""
+        return self._collect(self.stream(prompt, config, **settings))
+
+    def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Result:
         """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix."""
-        return self._collect(self.stream_chat(messages, **gen))
+        return self._collect(self.stream_chat(messages, config, **settings))
 
-    def stream_chat(self, messages: Sequence[Message], **gen: Any) -> Iterator[Step]:
+    def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Iterator[Step]:
         """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
+        config = GenerationConfig.build(config, **settings)
         prompt, stops = self.render_chat(messages)
-        args = _gen_args(gen)
-        config = _config(stop=_stops(args.pop("stop", None)) + tuple(stops), **args)
-        return self._steps(self.tokenize(prompt, add_special=False), config)
+        return self._steps(self.tokenize(prompt, add_special=False), config.with_stops(stops))
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
@@ -403,9 +385,16 @@ class Session:
         self._check_open()
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
-        tokens = self.target.tokenize(text, add_special=add_special, parse_special=True)
+        return self._check_prompt_tokens(self.target.tokenize(text, add_special=add_special, parse_special=True))
+
+    def _check_prompt_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """A prompt's tokens as a list, checked to be in the vocabulary and to fit the context."""
+        self._check_open()
+        tokens = list(tokens)
         if not tokens:
             raise ValueError("the prompt is empty: nothing to condition on")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.target.n_vocab for t in tokens):
+            raise ValueError(f"prompt tokens must be integers in [0, {self.target.n_vocab})")
         if len(tokens) > self.target.n_ctx_seq:
             raise ValueError(
                 f"the prompt is {len(tokens)} tokens, longer than the context of {self.target.n_ctx_seq}; "
@@ -432,58 +421,22 @@ class Session:
 
     # -- llama_cpp.Llama-shaped methods ----------------------------------------------------
     def create_completion(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int | None = 16,
-        temperature: float = 0.8,
-        top_p: float = 0.95,
-        top_k: int = 40,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream: bool = False,
-        speculative: bool = True,
-        block_size: int | None = None,
-        confidence_threshold: float | None = None,
+        self, prompt: str, *, stream: bool = False, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt."""
+        """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt, with its defaults."""
         tokens = self.tokenize(prompt, add_special=True)
-        config = _config(
-            self._max_tokens(max_tokens, len(tokens)), temperature, top_p, top_k, seed, stop, speculative, block_size,
-            confidence_threshold,
-        )
+        config = GenerationConfig.build(LLAMA_COMPLETION_DEFAULTS, **_llama_max_tokens(settings))
         return self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
 
     def create_chat_completion(
-        self,
-        messages: Sequence[Message],
-        *,
-        max_tokens: int | None = None,
-        temperature: float = 0.2,
-        top_p: float = 0.95,
-        top_k: int = 40,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream: bool = False,
-        speculative: bool = True,
-        block_size: int | None = None,
-        confidence_threshold: float | None = None,
+        self, messages: Sequence[Message], *, stream: bool = False, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF."""
         prompt, stops = self.render_chat(messages)
         tokens = self.tokenize(prompt, add_special=False)
-        config = _config(
-            self._max_tokens(max_tokens, len(tokens)),
-            temperature, top_p, top_k, seed, _stops(stop) + tuple(stops), speculative, block_size, confidence_threshold,
-        )
+        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **_llama_max_tokens(settings)).with_stops(stops)
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
-
-    def _max_tokens(self, max_tokens: int | None, n_prompt: int) -> int:
-        """llama_cpp's convention: None or <= 0 means up to the end of the context."""
-        if max_tokens is None or max_tokens <= 0:
-            return max(1, self.target.n_ctx_seq - n_prompt + 1)
-        return max_tokens
 
     def _completion_header(self) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": str(self.target.path)}
@@ -535,46 +488,9 @@ class Session:
         self.close()
 
 
-_GEN_ARGS = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "speculative", "block_size", "confidence_threshold",
-})
-
-
-def _gen_args(gen: Mapping[str, Any]) -> dict[str, Any]:
-    """generate/stream/chat keyword arguments, unknown names refused."""
-    unknown = set(gen) - _GEN_ARGS
-    if unknown:
-        raise TypeError(f"unknown generation argument(s): {', '.join(sorted(unknown))}")
-    return dict(gen)
-
-
-def _stops(stop: Any) -> tuple[str, ...]:
-    """A stop argument as a tuple: None, one string, or a list/tuple of strings; anything else is refused."""
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-
-
-def _config(
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    speculative: bool = True,
-    block_size: int | None = None,
-    confidence_threshold: float | None = None,
-) -> GenerationConfig:
-    return GenerationConfig(
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        stop=_stops(stop),
-        speculative=speculative,
-        block_size=block_size,
-        confidence_threshold=confidence_threshold,
-    )
+def _llama_max_tokens(settings: dict[str, Any]) -> dict[str, Any]:
+    """llama_cpp's convention: max_tokens None or <= 0 means up to the end of the context (our None)."""
+    n = settings.get("max_tokens")
+    if isinstance(n, int) and not isinstance(n, bool) and n <= 0:
+        return {**settings, "max_tokens": None}
+    return settings

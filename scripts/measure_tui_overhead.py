@@ -43,14 +43,14 @@ def thread_cpu_s(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def headless(session, prompt: str, gen: dict):
+def headless(session, prompt: str, gen):
     session.reset()
-    for _ in session.stream_chat([{"role": "user", "content": prompt}], **gen):
+    for _ in session.stream_chat([{"role": "user", "content": prompt}], gen):
         pass
     return session.last_stats
 
 
-def worker_headless(worker, prompt: str, gen: dict):
+def worker_headless(worker, prompt: str, gen):
     """A reply through the worker with nobody drawing it: what the process boundary alone costs."""
     from dflash_gguf.tui.messages import ReplyFinished
 
@@ -106,7 +106,10 @@ def main() -> None:
 
     from dflash_gguf.session import Session
     import dflash_gguf.tui.app as chat_app
-    from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+    from dataclasses import replace
+
+    from dflash_gguf.config import GenerationConfig, SessionOptions
+    from dflash_gguf.tui.options import ChatOptions
     from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
     from dflash_gguf.tui.worker import ThreadWorker
 
@@ -116,13 +119,13 @@ def main() -> None:
     wall: dict[tuple[str, str], list[float]] = {}
     loop: dict[tuple[str, str], list[float]] = {}
     cpus: dict[tuple[str, str], list[float]] = {}
-    options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens))
+    options = ChatOptions(generation=GenerationConfig(max_tokens=args.max_tokens))
     load_before = os.getloadavg()
-    spec = SessionSpec(n_ctx=2048, n_threads=args.n_threads)
+    spec = SessionSpec(options=SessionOptions(n_ctx=2048, n_threads=args.n_threads))
     with spec.open() as session, ProcessWorker(spec) as process:
         thread = ThreadWorker(session)
         # warm-up: the adaptive controller measures its costs once per Session; not timed
-        warm = options.generation.session_kwargs(speculative=True)
+        warm = options.generation
         headless(session, PROMPTS[0], warm)
         worker_headless(process, PROMPTS[0], warm)
 
@@ -137,7 +140,7 @@ def main() -> None:
                 for prompt in PROMPTS:
                     for mode in ("plain", "speculative"):
                         speculative = mode == "speculative"
-                        gen = options.generation.session_kwargs(speculative=speculative)
+                        gen = replace(options.generation, speculative=speculative)
                         record("headless", mode, headless(session, prompt, gen))
                         record("thread app", mode, *await in_app(thread, options, prompt, speculative, profiler))
                         record("process headless", mode, worker_headless(process, prompt, gen))

@@ -37,7 +37,7 @@ def test_generates_and_compares_with_plain_decoding(dflash_gguf_path, embedded_t
     [
         (["--target", "/nonexistent.gguf", "hi"], "no such file"),
         (["--drafter", "/nonexistent.gguf", "hi"], "--drafter needs --target"),
-        (["--max-tokens", "0", "hi"], "--max-tokens must be >= 1"),
+        (["--max-tokens", "0", "hi"], "argument --max-tokens: must be"),
         (["--raw", "--system", "be brief", "hi"], "--system has no place"),
         (["--temperature", "-1", "--max-tokens", "2", "hi"], "temperature"),
     ],

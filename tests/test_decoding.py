@@ -6,7 +6,8 @@ import codecs
 
 import pytest
 
-from dflash_gguf.decoding import GenerationConfig, TextStream
+from dflash_gguf.config import GenerationConfig
+from dflash_gguf.decoding import TextStream
 from dflash_gguf.steps import TokenSource
 from dflash_gguf.target import Target
 

@@ -11,7 +11,8 @@ import pytest
 
 from dflash_gguf import SamplingParams, Session
 from dflash_gguf.controller import FixedPolicy
-from dflash_gguf.decoding import CacheState, GenerationConfig, decode_steps
+from dflash_gguf.config import GenerationConfig
+from dflash_gguf.decoding import CacheState, decode_steps
 from dflash_gguf.memory import KVTruncation
 from dflash_gguf.session import SessionBusyError, SessionClosedError
 from dflash_gguf.sources import Candidate, Commit, DraftSource
@@ -81,7 +82,8 @@ def run(target: Target, prompt: list[int], source: DraftSource | None, memory=No
         sampling: SamplingParams | None = None):
     cache = CacheState()
     memory = memory or KVTruncation(target)
-    config = GenerationConfig(max_tokens=N_TOKENS, sampling=sampling or SamplingParams())
+    s = sampling or SamplingParams()
+    config = GenerationConfig(max_tokens=N_TOKENS, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
     steps = list(
         decode_steps(
             target, prompt, config, cache, memory=memory, sources=[source] if source else [], policy=FixedPolicy(block),

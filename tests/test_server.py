@@ -191,6 +191,24 @@ def test_anthropic_messages_streamed_and_not(claude, ref):
     assert want.text.startswith(cut.content[0].text) and word not in cut.content[0].text
 
 
+def test_anthropic_fields_the_sdk_sends_are_acted_on_accepted_or_refused_by_name(claude, ref):
+    """What the 2.x SDK sends that changes nothing about a local model's reply is accepted; the same reply comes back."""
+    messages = ask("What is the boiling point of water?")
+    got = claude.messages.create(
+        model="smol", max_tokens=N, messages=messages, extra_body=GREEDY, metadata={"user_id": "u-1"},
+        service_tier="auto", cache_control={"type": "ephemeral"}, thinking={"type": "adaptive"},
+        output_config={"effort": "low"},
+    )
+    assert got.content[0].text == reference_chat(ref, messages).text
+    schema = {"type": "json_schema", "schema": {"type": "object", "properties": {"c": {"type": "number"}}}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model="smol", max_tokens=8, messages=messages, output_config={"format": schema})
+    assert refused.value.body["error"]["message"].startswith("output_config.format:")
+    with pytest.raises(anthropic.BadRequestError) as unknown:
+        claude.messages.create(model="smol", max_tokens=8, messages=messages, extra_body={"frobnicate": 1})
+    assert "frobnicate" in unknown.value.body["error"]["message"]
+
+
 def test_max_completion_tokens_wins_over_max_tokens(oai):
     r = oai.chat.completions.create(model="smol", messages=ask("Tell me a long story about a cat."), max_tokens=12,
                                     max_completion_tokens=3, temperature=0)
@@ -366,6 +384,14 @@ MALFORMED = [
     ("/v1/messages", {"model": "smol", "messages": ask("Hi")}, 400, "invalid_value", "max_tokens"),
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "tools": [{"name": "f"}]},
      400, "tools_unsupported", "tools"),
+    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object"}}}}, 400, "unsupported_parameter", "output_config.format"),
+    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "mcp_servers": []},
+     400, "unsupported_parameter", "mcp_servers"),
+    (CHAT, {"messages": ask("Hi"), "frobnicate": 1}, 400, "unsupported_parameter", "frobnicate"),
+    (CHAT, {"messages": ask("Hi"), "store": True}, 400, "unsupported_parameter", "store"),
+    (CHAT, {"messages": ask("Hi"), "modalities": ["text", "audio"]}, 400, "unsupported_parameter", "modalities"),
+    ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, 400, "unsupported_parameter", "frobnicate"),
     ("/v1/nowhere", {}, 404, "not_found", None),
 ]
 

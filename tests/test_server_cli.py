@@ -26,6 +26,9 @@ SERVE = [sys.executable, "-m", "dflash_gguf.server.cli"]
     (["--drafter", "d.gguf"], "--drafter needs --target"),
     (["--target", "/nonexistent.gguf"], "no such file"),
     (["--api-key", ""], "--api-key must not be empty"),
+    (["--n-ctx", "4"], "argument --n-ctx: must be an integer >= 8"),
+    (["--threads", "0"], "argument --threads: must be None"),
+    (["--block-size", "0"], "argument --block-size: must be None"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, fragment, capsys):

@@ -21,7 +21,8 @@ from textual.widgets import Collapsible, Markdown, Sparkline, Static
 from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import NOT_MEASURED, ChatApp
-from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.config import GenerationConfig, SessionOptions
+from dflash_gguf.tui.options import ChatOptions
 from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 from dflash_gguf.tui.provenance import Provenance
 from dflash_gguf.tui.widgets import AcceptanceHistogram, AssistantMessage, StatsPanel, TokenChunk, UserMessage
@@ -41,7 +42,7 @@ def session(dflash_gguf_path):
 
 
 def options(max_tokens: int = 24, *, block_size: int | None = 4, hide_timing: bool = False) -> ChatOptions:
-    generation = GenerationOptions(max_tokens=max_tokens, temperature=0.0, block_size=block_size)
+    generation = GenerationConfig(max_tokens=max_tokens, temperature=0.0, block_size=block_size)
     return ChatOptions(generation=generation, hide_timing=hide_timing)
 
 
@@ -315,7 +316,7 @@ def test_an_adaptive_reply_that_chose_plain_reads_one_within_its_probes_or_not_m
     adaptive = options(max_tokens=200, block_size=None)
     session.reset()
     # the controller lives as long as the Session: a first reply teaches it that drafts do not pay
-    session.chat([{"role": "user", "content": SHORT_PROMPT}], **adaptive.generation.session_kwargs())
+    session.chat([{"role": "user", "content": SHORT_PROMPT}], adaptive.generation)
     app = ChatApp(session, adaptive)
     seen: list[dict[str, str]] = []
 
@@ -541,12 +542,12 @@ def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> Non
         pytest.skip(str(missing))
     messages = [{"role": "user", "content": LONG_PROMPT}]
     chat = options(max_tokens=64, block_size=None)
-    gen = chat.generation.session_kwargs(speculative=True)
-    spec = SessionSpec(n_ctx=1024, n_threads=2)
+    gen = chat.generation
+    spec = SessionSpec(options=SessionOptions(n_ctx=1024, n_threads=2))
     with spec.open() as embedded, ProcessWorker(spec) as worker:
-        embedded.chat(messages, **gen)  # warm-up: the adaptive controller measures its costs once
+        embedded.chat(messages, gen)  # warm-up: the adaptive controller measures its costs once
         embedded.reset()
-        headless = embedded.chat(messages, **gen).stats
+        headless = embedded.chat(messages, gen).stats
         app = ChatApp(worker, chat)
         seen: list[dict[str, str]] = []
 

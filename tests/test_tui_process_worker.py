@@ -16,6 +16,7 @@ from textual.widgets import Static
 
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import ChatApp
+from dflash_gguf.config import SessionOptions
 from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 from test_tui_app import (
     LONG_PROMPT, SHORT_PROMPT, figures, number, options, press_and_wait, replies, run_app, send, send_and_wait,
@@ -25,7 +26,7 @@ from test_tui_app import (
 
 @pytest.fixture(scope="module")
 def spec(dflash_gguf_path) -> SessionSpec:
-    return SessionSpec(None, dflash_gguf_path, n_ctx=1024, n_threads=2)
+    return SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=2))
 
 
 @pytest.fixture(scope="module")

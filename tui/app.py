@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from textual import on
@@ -184,8 +184,8 @@ class ChatApp(App[None]):
             widget.add_class("-compare")
         # the worker's messages are handled on this thread, after this method: the reply is set by then
         inbox: list[Step] = []
-        gen = self.options.generation.session_kwargs(speculative=speculative)
-        ticket = self.worker.reply(messages, gen, inbox, self.post_message)
+        config = replace(self.options.generation, speculative=speculative)
+        ticket = self.worker.reply(messages, config, inbox, self.post_message)
         self.reply = Reply(ticket, widget, speculative, inbox)
         self.transcript.mount(widget)
         self.busy = True

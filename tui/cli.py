@@ -12,35 +12,17 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
-from dflash_gguf.sampling import SamplingParams
-from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.config import GenerationConfig, SessionOptions, add_arguments, flag, from_arguments
+from dflash_gguf.tui.options import CHAT_GENERATION, ChatOptions
 
 PROG = "dflash-chat"
 # below this the chat template and a short prompt no longer fit
 MIN_N_CTX = 64
 WORKERS = ("process", "thread")
+GENERATION = ("block_size", "temperature", "top_p", "top_k", "seed", "max_tokens")
+SESSION = ("n_gpu_layers", "n_ctx", "n_threads", "lookup")
 # chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
 DEFAULT_WORKER = "process"
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 def build_parser() -> OneLineParser:
@@ -50,20 +32,9 @@ def build_parser() -> OneLineParser:
     )
     parser.add_argument("--target", type=Path, help="target model GGUF (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the embedded drafter)")
-    parser.add_argument("--n-gpu-layers", type=_int_at_least(-1), default=0, help="layers to offload (-1 = all)")
-    parser.add_argument("--n-ctx", type=_int_at_least(MIN_N_CTX), default=4096, help="context size in tokens")
-    parser.add_argument("--n-threads", type=_int_at_least(1), default=None, help="CPU threads (default: llama.cpp's)")
-    parser.add_argument("--block-size", type=_int_at_least(1), default=None,
-                        help="fixed block size (drafts + 1); default: adaptive")
-    parser.add_argument("--temperature", type=_float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=_float, default=1.0)
-    parser.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-    parser.add_argument("--seed", type=_int_at_least(0), default=None)
+    add_arguments(parser, SessionOptions, SESSION)
+    add_arguments(parser, GenerationConfig, GENERATION, max_tokens=CHAT_GENERATION.max_tokens)
     parser.add_argument("--system", default=None, help="system prompt")
-    parser.add_argument("--max-tokens", type=_int_at_least(1), default=512, help="tokens per reply")
-    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                        help="n-gram lookup drafts (copies from the conversation) next to the drafter; "
-                             "default: on only without a drafter")
     parser.add_argument("--worker", choices=WORKERS, default=DEFAULT_WORKER,
                         help=f"where the Session runs: its own process, or a thread of the UI's (default: {DEFAULT_WORKER})")
     return parser
@@ -78,20 +49,12 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
     """Parse and validate the command line; exits with status 2 and one line on any bad value."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    except ValueError as error:
-        parser.error(str(error))
+    generation = from_arguments(parser, GenerationConfig, args, GENERATION)
+    args.session = from_arguments(parser, SessionOptions, args, SESSION)
+    if args.n_ctx < MIN_N_CTX:
+        parser.error(f"argument {flag(SessionOptions, 'n_ctx')}: must be >= {MIN_N_CTX} for a chat, got {args.n_ctx}")
     _check_file(parser, "--target", args.target)
     _check_file(parser, "--drafter", args.drafter)
-    generation = GenerationOptions(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        block_size=args.block_size,
-    )
     return args, ChatOptions(generation=generation, system=args.system)
 
 
@@ -104,8 +67,7 @@ def _open_worker(args: argparse.Namespace):
     """The reply worker with its Session open, so a bad file fails before the UI takes the terminal."""
     from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 
-    spec = SessionSpec(args.target, args.drafter, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers,
-                       n_threads=args.n_threads, lookup=args.lookup)
+    spec = SessionSpec(args.target, args.drafter, args.session)
     if args.worker == "process":
         return ProcessWorker(spec), None
     from dflash_gguf.tui.worker import ThreadWorker

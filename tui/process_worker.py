@@ -14,11 +14,12 @@ import multiprocessing
 import os
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Sequence
 
+from dflash_gguf.config import GenerationConfig, SessionOptions
 from dflash_gguf.steps import Step
 from dflash_gguf.tui.messages import ReplyFailed
 from dflash_gguf.tui.worker import Post, ReplyEnd, ReplyWorker, SessionInfo, run_reply
@@ -34,18 +35,12 @@ class SessionSpec:
 
     target: Path | None = None
     drafter: Path | None = None
-    n_ctx: int = 4096
-    n_gpu_layers: int = 0
-    n_threads: int | None = None
-    lookup: bool | None = None
+    options: SessionOptions = field(default_factory=SessionOptions)
 
     def open(self):
         from dflash_gguf.session import Session
 
-        return Session(
-            self.target, self.drafter, n_ctx=self.n_ctx, n_gpu_layers=self.n_gpu_layers,
-            n_threads=self.n_threads, lookup=self.lookup,
-        )
+        return Session(self.target, self.drafter, self.options)
 
 
 def _serve(spec: SessionSpec, requests: Connection, events: Connection, cancelled_upto: Any) -> None:
@@ -72,12 +67,12 @@ def _serve(spec: SessionSpec, requests: Connection, events: Connection, cancelle
             if request[0] == "reset":
                 session.reset()
                 continue
-            _, ticket, messages, gen = request
+            _, ticket, messages, config = request
 
             def emit(step: Step, ticket: int = ticket) -> None:
                 events.send(("step", ticket, step))
 
-            end = run_reply(session, ticket, messages, gen, lambda t=ticket: cancelled_upto.value >= t, emit)
+            end = run_reply(session, ticket, messages, config, lambda t=ticket: cancelled_upto.value >= t, emit)
             events.send(("end", end))
 
 
@@ -128,14 +123,14 @@ class ProcessWorker(ReplyWorker):
         super().cancel(ticket)
         self._shared_cancel.value = self._cancelled_upto
 
-    def reply(self, messages: Sequence[dict[str, str]], gen_kwargs: dict[str, Any], inbox: list[Step], post: Post) -> int:
+    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
         ticket = self._ticket()
         with self._lock:
             failure = self._gone
             if failure is None:
                 self._pending[ticket] = (inbox, post)
                 try:
-                    self._requests.send(("reply", ticket, list(messages), dict(gen_kwargs)))
+                    self._requests.send(("reply", ticket, list(messages), config))
                 except OSError:
                     del self._pending[ticket]
                     failure = self._gone = f"the generation process {self._exit_status()}; restart dflash-chat"

@@ -15,7 +15,8 @@ from pathlib import Path
 from textual.widgets import Collapsible
 
 from dflash_gguf.tui.app import ChatApp
-from dflash_gguf.tui.options import ChatOptions, GenerationOptions
+from dflash_gguf.config import GenerationConfig
+from dflash_gguf.tui.options import ChatOptions
 from dflash_gguf.tui.widgets import AssistantMessage
 
 PROMPT = "Give three short tips for writing clear code, as a list."
@@ -58,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     from dflash_gguf.session import Session
 
-    options = ChatOptions(generation=GenerationOptions(max_tokens=args.max_tokens, block_size=args.block_size))
+    options = ChatOptions(generation=GenerationConfig(max_tokens=args.max_tokens, block_size=args.block_size))
     with Session(None, args.drafter, n_ctx=2048, n_threads=args.n_threads) as session:
         asyncio.run(capture(ChatApp(session, options), args.out, PROMPT))
     print(args.out)

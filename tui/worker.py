@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from textual.message import Message
 
+from dflash_gguf.config import GenerationConfig
 from dflash_gguf.session import Session
 from dflash_gguf.stats import GenerationStats
 from dflash_gguf.steps import Step
@@ -72,7 +73,7 @@ def run_reply(
     session: Session,
     ticket: int,
     messages: Sequence[dict[str, str]],
-    gen_kwargs: dict[str, Any],
+    config: GenerationConfig,
     cancelled: Callable[[], bool],
     emit: Callable[[Step], object],
 ) -> ReplyEnd:
@@ -82,7 +83,7 @@ def run_reply(
         return ReplyEnd(ticket, cancelled=True)
     finish_reason: str | None = None
     try:
-        steps = session.stream_chat(list(messages), **gen_kwargs)
+        steps = session.stream_chat(list(messages), config)
         try:
             for step in steps:
                 emit(step)
@@ -114,7 +115,7 @@ class ReplyWorker(ABC):
         self._cancelled_upto = max(self._cancelled_upto, ticket)
 
     @abstractmethod
-    def reply(self, messages: Sequence[dict[str, str]], gen_kwargs: dict[str, Any], inbox: list[Step], post: Post) -> int:
+    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
         """Start a reply; its Steps go to `inbox`, its end to `post` as ReplyFinished/ReplyFailed. Returns its ticket."""
 
     @abstractmethod
@@ -142,19 +143,19 @@ class ThreadWorker(ReplyWorker):
         self._threads: list[threading.Thread] = []
         self.info = SessionInfo.of(session)
 
-    def reply(self, messages: Sequence[dict[str, str]], gen_kwargs: dict[str, Any], inbox: list[Step], post: Post) -> int:
+    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
         ticket = self._ticket()
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(
-            target=self._run, args=(ticket, list(messages), dict(gen_kwargs), inbox, post), name=f"reply-{ticket}", daemon=True
+            target=self._run, args=(ticket, list(messages), config, inbox, post), name=f"reply-{ticket}", daemon=True
         )
         self._threads.append(thread)
         thread.start()
         return ticket
 
-    def _run(self, ticket: int, messages: list[dict[str, str]], gen: dict[str, Any], inbox: list[Step], post: Post) -> None:
+    def _run(self, ticket: int, messages: list[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> None:
         with self._lock:
-            end = run_reply(self._session, ticket, messages, gen, lambda: self._cancelled_upto >= ticket, inbox.append)
+            end = run_reply(self._session, ticket, messages, config, lambda: self._cancelled_upto >= ticket, inbox.append)
         post(end.message())
 
     def reset(self) -> None:

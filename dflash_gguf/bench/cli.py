@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
+from dflash_gguf.config import GenerationConfig, SessionOptions, add_arguments, from_arguments
 
 from .peers import PEERS
 
@@ -27,6 +28,10 @@ def _positive(text: str) -> int:
     return value
 
 
+GENERATION = ("max_tokens", "block_size")  # greedy always: outputs are compared token for token
+SESSION = ("n_ctx", "n_threads")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="dflash-bench",
@@ -38,16 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--drafter", type=Path,
                    help="dflash drafter GGUF (default: the shipped drafter); with --kernels, also time its passes")
-    p.add_argument("--max-tokens", type=_positive, default=128, help="tokens to generate per prompt (default 128)")
+    add_arguments(p, GenerationConfig, GENERATION, max_tokens=128)
+    add_arguments(p, SessionOptions, SESSION, n_ctx=2048)
     p.add_argument("--repeats", type=_positive, default=2,
                    help="timed runs per mode and prompt, interleaved (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    p.add_argument("--threads", type=_positive, help="threads for target and drafter (default: the runtime's)")
-    p.add_argument("--n-ctx", type=_positive, default=2048, help="context size (default 2048)")
     p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both"],
                    help="decoding modes, interleaved per prompt (default: plain dflash); lookup = n-gram lookup drafts "
                         "only, both = lookup and DFlash in one loop")
-    p.add_argument("--block-size", type=_positive, help="fixed block size (default: adaptive)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
     p.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
@@ -64,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.generation = from_arguments(parser, GenerationConfig, args, GENERATION)
+    args.session = from_arguments(parser, SessionOptions, args, SESSION)
     try:
         if args.kernels:
             return _kernels(args)
@@ -93,7 +99,7 @@ def _kernels(args: argparse.Namespace) -> int:
 
     source = args.target or embedded_target()
     out = _check_out(args)
-    threads = args.threads or 2
+    threads = args.n_threads or 2
     if args.requant_dir is not None and not args.requant_dir.is_dir():
         raise ValueError(f"{args.requant_dir}: --requant-dir must be an existing directory")
     with tempfile.TemporaryDirectory(prefix="dflash-requant-") as tmp:
@@ -128,12 +134,10 @@ def _bench(args: argparse.Namespace) -> int:
         prompts=prompts,
         target=args.target,
         drafter=args.drafter,
-        max_tokens=args.max_tokens,
+        generation=args.generation,
+        session=args.session,
         repeats=args.repeats,
         warmup=not args.no_warmup,
-        n_threads=args.threads,
-        n_ctx=args.n_ctx,
-        block_size=args.block_size,
         peers=tuple(args.peers),
         llama_server=args.llama_server,
         reference_drafter=args.reference_drafter,

@@ -17,6 +17,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
+from dflash_gguf.config import GenerationConfig
 from dflash_gguf.convert.writer import atomic_output
 from dflash_gguf.memory import TargetMemory, memory_for, rs_seq_for
 from dflash_gguf.target import Target, check_gguf_file, quantize, system_info
@@ -269,7 +270,7 @@ def plain_generation(
         for rep in range(repeats + 1):  # rep 0 is the warm-up
             for messages in conversations:
                 for session, result in zip(sessions, results):
-                    steps = chat_steps(session, messages, max_tokens=max_tokens, speculative=False)
+                    steps = chat_steps(session, messages, GenerationConfig(max_tokens=max_tokens, speculative=False))
                     next(steps)  # prefill, not timed
                     start, start_cpu, n = time.perf_counter(), time.process_time(), 0
                     for step in steps:

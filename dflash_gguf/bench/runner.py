@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 from dflash_gguf.train.prompts import Prompt
 
+from dflash_gguf.config import GenerationConfig, SessionOptions
 from dflash_gguf.steps import Step, StepKind
 from dflash_gguf.target import default_threads
 
@@ -31,17 +32,20 @@ MODES = ("plain", "dflash")
 ALL_MODES = ("plain", "lookup", "dflash", "both")  # both: lookup and DFlash in one loop, the policy choosing
 
 
+# greedy, so that every mode's output can be compared with plain decoding's token for token
+BENCH_GENERATION = GenerationConfig(max_tokens=128)
+BENCH_SESSION = SessionOptions(n_ctx=2048)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     prompts: Sequence[Prompt]
     target: Path | None = None  # None: the embedded target
     drafter: Path | None = None  # None: the shipped drafter
-    max_tokens: int = 128
+    generation: GenerationConfig = BENCH_GENERATION  # speculative is set per mode
+    session: SessionOptions = BENCH_SESSION  # every mode's Session; lookup is set per mode
     repeats: int = 2
     warmup: bool = True
-    n_threads: int | None = None
-    n_ctx: int = 2048
-    block_size: int | None = None  # None: adaptive
     peers: tuple[str, ...] = field(default_factory=tuple)
     llama_server: Path | None = None
     reference_drafter: Path | None = None
@@ -52,10 +56,10 @@ class BenchConfig:
             raise ValueError("no prompts to benchmark")
         if "plain" not in self.modes or len(set(self.modes)) != len(self.modes) or set(self.modes) - set(ALL_MODES):
             raise ValueError(f"modes must include plain, each once, from {', '.join(ALL_MODES)}; got {list(self.modes)}")
-        for name in ("max_tokens", "repeats", "n_ctx"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be a positive integer, got {self.repeats!r}")
+        if not self.generation.sampling.greedy:
+            raise ValueError("generation.temperature must be 0: the bench compares greedy outputs token for token")
         unknown = set(self.peers) - set(peer_runs.PEERS)
         if unknown:
             raise ValueError(f"unknown peers {sorted(unknown)}: choose from {', '.join(peer_runs.PEERS)}")
@@ -68,12 +72,10 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def chat_steps(session, messages: list[dict], *, max_tokens: int, speculative: bool, block_size: int | None = None):
-    """Session.stream_chat, greedy, from a clean cache so every run prefills the whole prompt."""
+def chat_steps(session, messages: list[dict], config: GenerationConfig):
+    """Session.stream_chat from a clean cache, so every run prefills the whole prompt."""
     session.reset()
-    return session.stream_chat(
-        messages, max_tokens=max_tokens, temperature=0.0, speculative=speculative, block_size=block_size
-    )
+    return session.stream_chat(messages, config)
 
 
 def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
@@ -92,8 +94,7 @@ def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[s
     figure is a view of the stats model over the Steps it yielded, and `stats` is its Session's own.
     """
     streams = {
-        m: iter(chat_steps(sessions[m], messages, max_tokens=config.max_tokens, speculative=m != "plain",
-                           block_size=config.block_size))
+        m: iter(chat_steps(sessions[m], messages, replace(config.generation, speculative=m != "plain")))
         for m in modes
     }
     steps: dict[str, list[Step]] = {m: [] for m in modes}
@@ -128,13 +129,12 @@ def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> di
 
     target, drafter = session.target.path, session.drafter.path
     opened = {"plain": session}
-    kwargs = dict(n_ctx=config.n_ctx, n_threads=config.n_threads)
     try:
         opened["dflash"] = session.fork()
         if "lookup" in modes:
-            opened["lookup"] = Session(target, None, lookup=True, **kwargs)
+            opened["lookup"] = Session(target, None, config.session, lookup=True)
         if "both" in modes:
-            opened["both"] = Session(target, drafter, lookup=True, **kwargs)
+            opened["both"] = Session(target, drafter, config.session, lookup=True)
     except BaseException:
         close_mode_sessions(opened, session)
         raise
@@ -170,7 +170,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     from dflash_gguf.session import Session
 
     config.validate()
-    session = Session(config.target, config.drafter, n_ctx=config.n_ctx, n_threads=config.n_threads, lookup=False)
+    session = Session(config.target, config.drafter, config.session, lookup=False)
     with session:
         if session.drafter is None:
             raise ValueError(
@@ -185,7 +185,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
             close_mode_sessions(sessions, session)
         peer_prompts = [peer_runs.PeerPrompt(p.id, *_chat_prompt(session, _conversation(p))) for p in config.prompts]
         paths = (session.target.path, session.drafter.path)
-        n_threads = config.n_threads or default_threads()
+        n_threads = config.session.n_threads or default_threads()
         block = session.drafter.block_size
         rss_bench = _peak_rss_mib()
         target_memory = memory_figures(session, [g for p in results for g in p.runs])
@@ -199,11 +199,11 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "target": str(paths[0]),
         "drafter": str(paths[1]),
         **drafter_info,
-        "max_tokens": config.max_tokens,
+        "max_tokens": config.generation.max_tokens,
         "repeats": config.repeats,
         "warmup": config.warmup,
-        "n_ctx": config.n_ctx,
-        "block_size": config.block_size or f"adaptive (up to {block})",
+        "n_ctx": config.session.n_ctx,
+        "block_size": config.generation.block_size or f"adaptive (up to {block})",
         "sampling": "greedy",
         "modes": list(config.modes),
         "order": "per prompt, each repeat: " + ", ".join(config.modes) + " in lockstep (one cycle each in turn, "
@@ -266,17 +266,17 @@ def _run_peers(
         if name in ("llama-cpp", "lookup"):
             out.append(
                 peer_runs.llama_cpp_python(
-                    target, prompts, max_tokens=config.max_tokens, repeats=config.repeats, n_threads=n_threads,
-                    n_ctx=config.n_ctx, num_pred_tokens=10 if name == "lookup" else None,
+                    target, prompts, max_tokens=config.generation.max_tokens, repeats=config.repeats, n_threads=n_threads,
+                    n_ctx=config.session.n_ctx, num_pred_tokens=10 if name == "lookup" else None,
                 )
             )
         elif name == "reference":
-            out.append(peer_runs.reference_tau(target, config.reference_drafter, prompts, max_tokens=config.max_tokens))
+            out.append(peer_runs.reference_tau(target, config.reference_drafter, prompts, max_tokens=config.generation.max_tokens))
         elif name == "llama-server":
             out.append(
                 peer_runs.llama_server(
-                    config.llama_server, target, drafter, prompts, max_tokens=config.max_tokens,
-                    repeats=config.repeats, n_threads=n_threads, n_ctx=config.n_ctx, n_draft=block - 1, log=progress,
+                    config.llama_server, target, drafter, prompts, max_tokens=config.generation.max_tokens,
+                    repeats=config.repeats, n_threads=n_threads, n_ctx=config.session.n_ctx, n_draft=block - 1, log=progress,
                 )
             )
     return out

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
+from ..config import GenerationConfig, SessionOptions, add_arguments, from_arguments
 from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
 
 PROG = "dflash-serve"
+SESSION = ("n_ctx", "n_gpu_layers", "n_threads", "lookup")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,12 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
     p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
-    p.add_argument("--n-ctx", type=int, default=4096, help="context per slot")
-    p.add_argument("--n-gpu-layers", type=int, default=0, help="-1 offloads every layer (CUDA/Metal builds)")
-    p.add_argument("--threads", type=int, help="CPU threads per slot (default: llama.cpp's choice)")
-    p.add_argument("--block-size", type=int, help="fixed block size (default: adaptive)")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
-                   help="n-gram lookup drafts next to the drafter (default: on only without a drafter, as Session)")
+    add_arguments(p, SessionOptions, SESSION)  # per slot
+    add_arguments(p, GenerationConfig, ("block_size",))
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
     p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
@@ -44,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> SessionOptions:
     if a.drafter is not None and a.target is None:
         p.error("--drafter needs --target: the embedded drafter belongs to the embedded target")
     for flag, path in (("--target", a.target), ("--drafter", a.drafter)):
@@ -56,18 +54,14 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--parallel must be >= 1, got {a.parallel}")
     if a.queue < 0:
         p.error(f"--queue must be >= 0, got {a.queue}")
-    if a.n_ctx < 16:
-        p.error(f"--n-ctx must be >= 16, got {a.n_ctx}")
-    if a.threads is not None and a.threads < 1:
-        p.error(f"--threads must be >= 1, got {a.threads}")
-    if a.block_size is not None and a.block_size < 1:
-        p.error(f"--block-size must be >= 1, got {a.block_size}")
     if a.max_body_bytes < 1024:
         p.error(f"--max-body-bytes must be >= 1024, got {a.max_body_bytes}")
     if not a.model_alias:
         p.error("--model-alias must not be empty")
     if a.api_key is not None and not a.api_key:
         p.error("--api-key must not be empty")
+    from_arguments(p, GenerationConfig, a, ("block_size",))
+    return from_arguments(p, SessionOptions, a, SESSION)
 
 
 def is_loopback(host: str) -> bool:
@@ -97,11 +91,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def open_sessions(a: argparse.Namespace) -> list:
+def open_sessions(a: argparse.Namespace, options: SessionOptions) -> list:
     from ..session import Session
 
-    first = Session(a.target, a.drafter, n_ctx=a.n_ctx, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads,
-                    lookup=a.lookup)
+    first = Session(a.target, a.drafter, options)
     sessions = [first]
     try:
         for _ in range(a.parallel - 1):
@@ -118,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.api_key is None and os.environ.get("DFLASH_API_KEY"):
         a.api_key = os.environ["DFLASH_API_KEY"]
-    _check_args(p, a)
+    options = _check_args(p, a)
     try:
         import uvicorn
 
@@ -137,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        sessions = open_sessions(a)
+        sessions = open_sessions(a, options)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         sock.close()
         print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -15,8 +15,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import jinja2
 from starlette.requests import Request
 
-from ..decoding import GenerationConfig
-from ..sampling import SamplingParams
+from ..config import GenerationConfig, SettingError
 from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step
@@ -35,7 +34,7 @@ DISCONNECT_POLL_S = 0.25
 class Prepared:
     job: Job
     tokens: list[int]
-    gen: dict[str, Any]
+    config: GenerationConfig
     start: Callable[[Session], Iterator[Step]]
     t0: float
 
@@ -72,9 +71,10 @@ class Engine:
         t0 = time.perf_counter()
         session = self.pool.slots[0].session
         target = session.target
+        template_stops: list[str] = []
         if job.messages is not None:
             try:
-                text, _template_stops = session.render_chat(job.messages)
+                text, template_stops = session.render_chat(job.messages)
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
                                code="invalid_messages") from None
@@ -87,25 +87,12 @@ class Engine:
             raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
                            "for at least one more", param="messages" if job.messages is not None else "prompt",
                            code="context_length_exceeded")
-        gen = dict(job.gen)
-        if gen.get("max_tokens") is None:
-            gen["max_tokens"] = self.n_ctx - len(tokens)
-        gen["stop"] = list(job.user_stops)
-        gen["block_size"] = self.config.block_size
-        try:  # the Session would refuse the same arguments, but only after a slot was taken
-            GenerationConfig(max_tokens=gen["max_tokens"], stop=tuple(gen["stop"]), block_size=gen["block_size"],
-                             sampling=SamplingParams(temperature=gen["temperature"], top_p=gen["top_p"],
-                                                     top_k=gen["top_k"], seed=gen["seed"]))
-        except (ValueError, TypeError) as e:
-            name = str(e).split()[0] if str(e) else ""
-            raise APIError(400, str(e), param=name if name in gen else None, code="invalid_value") from None
-        if job.messages is not None:
-            messages = job.messages
-            start = lambda s: s.stream_chat(messages, **gen)  # noqa: E731 - exactly Session.chat's path
-        else:
-            prompt = job.prompt
-            start = lambda s: s.stream(prompt, **gen)  # noqa: E731
-        return Prepared(job, tokens, gen, start, t0)
+        try:  # checked here, before a slot is taken; the request's own field names are the config's
+            config = GenerationConfig.build(**job.gen, stop=job.user_stops, block_size=self.config.block_size)
+        except SettingError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+        config = config.with_stops(template_stops)
+        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0)
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
         """Wait for a slot (429 when the queue is full), then start the generation in its thread."""

@@ -66,6 +66,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [x for x in loc if not x[:1].isupper()]
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
+    if e.get("type") == "extra_forbidden":
+        msg = "not a field dflash-serve knows (it acts on or refuses every field it takes, and drops none)"
     return (f"{param}: {msg}" if param else f"invalid request body: {msg}"), param
 
 
@@ -85,7 +87,9 @@ def install(app: FastAPI) -> None:
                                   f"(got {content_type or 'no Content-Type'})", None, "invalid_content_type",
                                   path=request.url.path)
         message, param = validation_message(exc)
-        return error_response(400, message, param, "invalid_value" if param else "invalid_body", path=request.url.path)
+        unknown = any(e.get("type") == "extra_forbidden" for e in exc.errors()[:1])
+        code = "unsupported_parameter" if unknown else "invalid_value" if param else "invalid_body"
+        return error_response(400, message, param, code, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,8 +1,10 @@
 """Request models: llama_cpp.server's OpenAI types, extended with what newer clients send, and the Anthropic Messages request.
 
 What the Session cannot do is refused with a 400 naming the field, never dropped: penalties, logit
-bias, grammars, logprobs, n > 1, and tools (the chat path renders no tool definitions and parses no
-tool calls). Parameters left at their neutral value are accepted, since clients send the defaults.
+bias, grammars, logprobs, n > 1, structured output, and tools (the chat path renders no tool definitions
+and parses no tool calls). Parameters left at their neutral value are accepted, since clients send the
+defaults; output_config.effort, metadata, cache_control, service_tier and the like change nothing about a
+local model's reply and are accepted as neutral.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ _top_k = Field(default=40, ge=0)
 
 
 class ChatCompletionRequest(CreateChatCompletionRequest):
-    """POST /v1/chat/completions: llama_cpp.server's request plus stream_options and max_completion_tokens."""
+    """POST /v1/chat/completions: llama_cpp.server's request plus what the openai SDK sends; an undeclared
+    field is a 400 naming it, never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     messages: List[_OpenAIMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -52,10 +57,27 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, ge=0.0)
     parallel_tool_calls: Optional[bool] = None
+    # neutral for a local model: nothing about the reply changes (prefixes are cached whatever the key says;
+    # a prediction only ever speeds a reply up, never changes it)
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    # accepted only at their neutral value (chat_job)
+    store: Optional[bool] = None
+    modalities: Optional[List[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(CreateCompletionRequest):
-    """POST /v1/completions: llama_cpp.server's request plus stream_options."""
+    """POST /v1/completions: llama_cpp.server's request plus stream_options; an undeclared field is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
 
     prompt: Union[str, List[str]] = Field(description="The prompt to complete (one).")
     stream_options: Optional[StreamOptions] = None
@@ -80,8 +102,10 @@ class AnthropicMessage(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    """POST /v1/messages."""
+    """POST /v1/messages. Every field the anthropic 2.x SDK sends is acted on, accepted as neutral or refused
+    by name in messages_job; a field this model does not declare is a 400 naming it, never dropped."""
 
+    model_config = ConfigDict(extra="forbid")
     model: str
     messages: List[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -91,11 +115,19 @@ class MessagesRequest(BaseModel):
     top_k: Optional[int] = Field(default=None, ge=0)
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
-    metadata: Optional[dict[str, Any]] = None
     tools: Optional[List[dict[str, Any]]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
-    output_format: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    output_format: Optional[dict[str, Any]] = None  # the structured-output beta's earlier spelling
+    container: Optional[Any] = None
+    # neutral for a local model: none of them changes the reply (prefixes are cached whatever cache_control says)
+    metadata: Optional[dict[str, Any]] = None
+    cache_control: Optional[dict[str, Any]] = None
+    service_tier: Optional[Literal["auto", "standard_only"]] = None
+    speed: Optional[Literal["standard", "fast"]] = None
+    inference_geo: Optional[str] = None
+    diagnostics: Optional[dict[str, Any]] = None
 
 
 # -- what the Session is asked ------------------------------------------------------------------
@@ -157,6 +189,7 @@ def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Jo
     _check_neutral(req, {
         "n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
+        "store": False, "modalities": (["text"],), "audio": None, "web_search_options": None,
     })
     if req.logit_bias:
         raise _refuse("logit_bias", "not supported by dflash-serve")
@@ -199,10 +232,18 @@ def completion_job(req: CompletionRequest) -> Job:
 def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
     if req.tools or req.tool_choice:
         raise _refuse("tools" if req.tools else "tool_choice", tools_refusal(template_has_tools), "tools_unsupported")
+    output = req.output_config or {}
+    if output.get("format") is not None:
+        raise _refuse("output_config.format", "structured output (a JSON schema) is not supported yet")
+    if set(output) - {"format", "effort"}:
+        raise _refuse(f"output_config.{sorted(set(output) - {'format', 'effort'})[0]}", "not supported")
     if req.output_format is not None:
         raise _refuse("output_format", "structured output is not supported")
-    if req.thinking and req.thinking.get("type") not in (None, "disabled"):
-        raise _refuse("thinking", "extended thinking is not supported")
+    if req.thinking and req.thinking.get("type") not in (None, "disabled", "adaptive"):
+        # "adaptive" lets the model decide whether to think, and this one answers directly
+        raise _refuse("thinking", "extended thinking is not supported (use 'adaptive' or 'disabled')")
+    if req.container is not None:
+        raise _refuse("container", "code-execution containers are not supported")
     messages: list[Message] = []
     if req.system:
         messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})

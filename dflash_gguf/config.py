@@ -1,0 +1,150 @@
+"""Every setting once: `GenerationConfig` (one generation) and `SessionOptions` (one Session).
+
+Each field carries its default, its check, its help and its command-line flag. Session, the server, the
+TUI, dflash-generate and the bench build these classes, and the CLIs take their flags from
+`add_arguments`; adding a setting is one field here and the code where it acts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import Field, dataclass, field, fields, replace
+from functools import cached_property
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+from .checks import SettingError, boolean, checked, integer, optional, optional_boolean, real, strings
+from .sampling import CHECKS as SAMPLING_CHECKS
+from .sampling import SamplingParams
+
+__all__ = [
+    "GenerationConfig", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions", "SettingError",
+    "add_arguments", "from_arguments",
+]
+
+T = TypeVar("T")
+
+
+def setting(default: Any, check: Callable[[Any], Any], help: str, *, flags: Sequence[str] = (),
+            parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field: its default, its check, and how a command line spells it (parse=None: no flag)."""
+    return field(default=default, metadata={"check": check, "help": help, "flags": tuple(flags), "parse": parse})
+
+
+def _check_fields(obj: Any) -> None:
+    """Run every field's check, keeping its normalised value; the first bad one raises SettingError."""
+    for f in fields(obj):
+        object.__setattr__(obj, f.name, checked(f.name, f.metadata["check"], getattr(obj, f.name)))
+
+
+def _build(cls: type[T], base: T | None, settings: Mapping[str, Any], what: str) -> T:
+    unknown = set(settings) - {f.name for f in fields(cls)}
+    if unknown:
+        raise TypeError(f"unknown {what} argument(s): {', '.join(sorted(unknown))}")
+    return replace(base, **settings) if base is not None else cls(**settings)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How one generation runs; validated on construction, so an instance in hand is always usable."""
+
+    max_tokens: int | None = setting(128, optional(integer(1), "up to the end of the context"),
+                                     "tokens to generate at most", parse=int)
+    temperature: float = setting(0.0, SAMPLING_CHECKS["temperature"], "sampling temperature; 0 = greedy", parse=float)
+    top_p: float = setting(1.0, SAMPLING_CHECKS["top_p"], "nucleus: the smallest set of tokens with this mass",
+                           parse=float)
+    top_k: int = setting(0, SAMPLING_CHECKS["top_k"], "sample among the k likeliest tokens; 0 = off", parse=int)
+    seed: int | None = setting(None, SAMPLING_CHECKS["seed"], "sampling seed (default: fresh entropy)", parse=int)
+    stop: tuple[str, ...] = setting((), strings, "strings that end the reply (not included in it)")
+    speculative: bool = setting(True, boolean, "draft and verify; False decodes plainly")
+    block_size: int | None = setting(None, optional(integer(1), "adaptive"),
+                                     "fixed block size, drafts + 1 (default: adaptive, chosen per cycle)", parse=int)
+    confidence_threshold: float | None = setting(
+        None, optional(real(0.0, 1.0), "no cut"),
+        "cut a draft at the first predicted acceptance below this (DSpark drafters)", parse=float)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @classmethod
+    def build(cls, base: GenerationConfig | None = None, /, **settings: Any) -> GenerationConfig:
+        """`base` (or the defaults) with `settings` applied; an unknown name is a TypeError."""
+        return _build(cls, base, settings, "generation")
+
+    @cached_property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    def with_stops(self, stops: Sequence[str]) -> GenerationConfig:
+        """The same config with more stop strings (a chat template's), after the caller's."""
+        return replace(self, stop=self.stop + tuple(s for s in stops if s not in self.stop)) if stops else self
+
+
+# llama_cpp.Llama's defaults, for the Session methods shaped like its create_completion / create_chat_completion
+LLAMA_COMPLETION_DEFAULTS = GenerationConfig(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40)
+LLAMA_CHAT_DEFAULTS = GenerationConfig(max_tokens=None, temperature=0.2, top_p=0.95, top_k=40)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a Session opens its target and drafter and serves its callers."""
+
+    n_ctx: int = setting(4096, integer(8), "context size in tokens", parse=int)
+    n_gpu_layers: int = setting(0, integer(-1, " (-1 = all)"),
+                                "target layers to offload to the GPU; -1 = all (CUDA/Metal/Vulkan builds)", parse=int)
+    n_threads: int | None = setting(None, optional(integer(1), "llama.cpp's choice"),
+                                    "CPU threads (default: llama.cpp's choice)", flags=("--threads", "--n-threads"),
+                                    parse=int)
+    n_batch: int = setting(512, integer(1), "tokens per decode batch", parse=int)
+    flash_attn: bool = setting(True, boolean, "flash attention (on: batched and single decodes agree bit for bit)")
+    verbose: bool = setting(False, boolean, "libllama's own log on stderr")
+    wait: bool = setting(True, boolean, "a second caller waits for the running generation (False: SessionBusyError)")
+    n_rs_seq: int | None = setting(None, optional(integer(0), "sized for the drafter"),
+                                   "recurrent-state snapshots per sequence on hybrid targets")
+    lookup: bool | None = setting(None, optional_boolean("on only without a drafter"),
+                                  "n-gram lookup drafts (copies from prompt and reply) next to the drafter "
+                                  "(default: on only without a drafter)", parse=bool)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @classmethod
+    def build(cls, base: SessionOptions | None = None, /, **settings: Any) -> SessionOptions:
+        """`base` (or the defaults) with `settings` applied; an unknown name is a TypeError."""
+        return _build(cls, base, settings, "Session")
+
+
+# -- command lines ------------------------------------------------------------------------------
+def _field(cls: type, name: str) -> Field:
+    return next(f for f in fields(cls) if f.name == name)
+
+
+def flag(cls: type, name: str) -> str:
+    """The command-line flag of a setting: its first spelling."""
+    return (_field(cls, name).metadata["flags"] or (f"--{name.replace('_', '-')}",))[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, names: Sequence[str], **defaults: Any) -> None:
+    """Add the flags of these settings of `cls`; `defaults` overrides a field's default for this command."""
+    for name in names:
+        f = _field(cls, name)
+        meta = f.metadata
+        if meta["parse"] is None:
+            raise ValueError(f"{cls.__name__}.{name} has no command-line form")
+        default = defaults.get(name, f.default)
+        spell = meta["flags"] or (flag(cls, name),)
+        help_text = meta["help"] + ("" if default is None or "default" in meta["help"] else " (default: %(default)s)")
+        if meta["parse"] is bool:
+            parser.add_argument(*spell, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            parser.add_argument(*spell, dest=name, type=meta["parse"], default=default, help=help_text)
+
+
+def from_arguments(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespace, names: Sequence[str],
+                   **extra: Any) -> T:
+    """The config these parsed flags (and `extra` settings) make; a bad value is parser.error naming the flag."""
+    try:
+        return cls(**{name: getattr(args, name) for name in names}, **extra)
+    except SettingError as e:
+        where = f"argument {flag(cls, e.field)}" if e.field in names else e.field
+        parser.error(f"{where}: {e.problem}")
+        raise  # parser.error exits; this keeps type checkers sure nothing is returned
