@@ -13,6 +13,8 @@ from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from .checks import SettingError, boolean, checked, integer, optional, optional_boolean, real, strings
+from .constraints import KINDS as CONSTRAINT_KINDS
+from .constraints import ConstraintSpec, compile_grammar, schema_text
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
 
@@ -28,6 +30,20 @@ def setting(default: Any, check: Callable[[Any], Any], help: str, *, flags: Sequ
             parse: Callable[[str], Any] | None = None) -> Any:
     """A config field: its default, its check, and how a command line spells it (parse=None: no flag)."""
     return field(default=default, metadata={"check": check, "help": help, "flags": tuple(flags), "parse": parse})
+
+
+def _constraint(kind: str) -> Callable[[Any], Any]:
+    """None, or a grammar / JSON schema / regex that compiles (a schema is kept as canonical JSON text)."""
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        text = schema_text(value) if kind == "json_schema" else value
+        if not isinstance(text, str) or not text.strip():
+            raise TypeError(f"must be None or a non-empty string, got {value!r}")
+        compile_grammar(kind, text)
+        return text
+
+    return check
 
 
 def _check_fields(obj: Any) -> None:
@@ -61,9 +77,16 @@ class GenerationConfig:
     confidence_threshold: float | None = setting(
         None, optional(real(0.0, 1.0), "no cut"),
         "cut a draft at the first predicted acceptance below this (DSpark drafters)", parse=float)
+    # at most one constraint; every token of the reply, drafted or not, is chosen under it
+    grammar: str | None = setting(None, _constraint("grammar"), "a GBNF grammar (llama.cpp's) or a Lark grammar")
+    json_schema: str | None = setting(None, _constraint("json_schema"), "a JSON schema the reply follows")
+    regex: str | None = setting(None, _constraint("regex"), "a regular expression the reply matches")
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise SettingError(given[1], f"give one constraint, not {' and '.join(given)}")
 
     @classmethod
     def build(cls, base: GenerationConfig | None = None, /, **settings: Any) -> GenerationConfig:
@@ -73,6 +96,15 @@ class GenerationConfig:
     @cached_property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    @cached_property
+    def constraint(self) -> ConstraintSpec | None:
+        """The compiled constraint, if the config carries one."""
+        for kind in CONSTRAINT_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return ConstraintSpec(kind, compile_grammar(kind, source))
+        return None
 
     def with_stops(self, stops: Sequence[str]) -> GenerationConfig:
         """The same config with more stop strings (a chat template's), after the caller's."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from .acceptance import accept_greedy, accept_sampled
 from .config import GenerationConfig
+from .constraints import Constraint
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
 from .sampling import SamplingParams, probabilities, sample_token
@@ -111,12 +112,14 @@ def decode_steps(
     memory: TargetMemory,
     sources: Sequence[DraftSource] = (),
     policy: Policy | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt`, reusing the cached prefix; yields one Step per cycle, the last with finish_reason.
 
     The first Step (kind PREFILL) holds the token sampled from the prompt, its verify_s the prefill time.
     Sources are fed only when config.speculative; all of them are truncated with the target, so none holds
     state the target has dropped. `cache` is kept true after every yield: a caller may stop at any point.
+    A constraint (a fresh matcher for this generation) masks every row the target's tokens are chosen from.
     """
     n_ctx = target.n_ctx_seq
     if not 0 < len(prompt) <= n_ctx:
@@ -156,7 +159,10 @@ def decode_steps(
         target.decode(chunk, pos, logits="last" if pos + len(chunk) == len(prompt) else False)
         commit(pos, chunk)
         pos += len(chunk)
-    last = _pick(target.output_logits()[-1:], params, rng)
+    logits = target.output_logits()[-1:]
+    last = _pick(logits if constraint is None else constraint.mask_block(logits, ()), params, rng)
+    if constraint is not None:
+        constraint.commit([last])
     for s in active:
         s.finish()
     prefill_s = time.perf_counter() - t0
@@ -190,17 +196,30 @@ def decode_steps(
                 choice = _shorten(choice, n_verify, f"; confidence cut to {n_verify}")
                 n_draft = n_verify
                 candidate = candidate.head(n_draft) if n_draft else None
+        if constraint is not None and candidate is not None and params.greedy:
+            # a draft the grammar forbids can never be the masked argmax: verify only the drafts before it
+            # (sampling keeps them: its rejection of a forbidden draft is what keeps the residual exact)
+            n_ok = constraint.valid_prefix(candidate.tokens)
+            if n_ok < n_draft:
+                choice = _shorten(choice, n_ok, f"; grammar cut to {n_ok}")
+                n_draft = n_ok
+                candidate = candidate.head(n_draft) if n_draft else None
         block = [last] + ([] if candidate is None else candidate.tokens.tolist())
         t_save = time.perf_counter()
         memory.before_verify(n_past, len(block))
         t_verify = time.perf_counter()
         target.decode(block, n_past, logits=True)
-        n_accepted, bonus = _verify(target.output_logits(), candidate, params, rng)
+        logits = target.output_logits()
+        if constraint is not None:
+            logits = constraint.mask_block(logits, block[1:])
+        n_accepted, bonus = _verify(logits, candidate, params, rng)
         t_keep = time.perf_counter()
         memory.keep(n_past, block, n_accepted + 1)
         t_done = time.perf_counter()
 
         commit(n_past, block[: n_accepted + 1])
+        if constraint is not None:
+            constraint.commit(block[1 : n_accepted + 1] + [bonus])
         n_past += n_accepted + 1
         # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
         timing = CycleTiming(len(block), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))

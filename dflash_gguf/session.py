@@ -20,6 +20,7 @@ from .controller import (
     extend_verify_costs,
 )
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
+from .constraints import Constraint
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
@@ -308,8 +309,11 @@ class Session:
             )
             self._warned_plain = True
         policy = self._policy(config) if config.speculative and self._sources else None
+        spec = config.constraint
+        constraint = None if spec is None else Constraint(self.target.constraint_tokenizer(), spec, self.target.n_vocab)
         return decode_steps(
-            self.target, tokens, config, self._cache, memory=self.memory, sources=self._sources, policy=policy
+            self.target, tokens, config, self._cache, memory=self.memory, sources=self._sources, policy=policy,
+            constraint=constraint,
         )
 
     def _policy(self, config: GenerationConfig) -> Policy:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import llama_cpp
 import numpy as np
@@ -22,6 +23,9 @@ from . import llama_ext
 from .schema import Keys
 from .target_gguf import check_feature_layers
 from .target_gguf import fingerprint as gguf_fingerprint
+
+if TYPE_CHECKING:
+    import llguidance
 
 GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
@@ -196,6 +200,7 @@ class SharedModel:
         self._owned = owned
         self._users = 1
         self._lock = threading.Lock()
+        self.constraint_tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use
 
     def share(self) -> "SharedModel":
         with self._lock:
@@ -709,6 +714,21 @@ class Target(NativeResource):
         if self._ctx is None:
             raise self._closed_error()
         return int(capi.llama_vocab_eos(self._vocab))
+
+    def constraint_tokenizer(self) -> "llguidance.LLTokenizer":
+        """The vocabulary as llguidance's tokenizer, for constrained decoding; built once per model (~1 s
+        for a 50k vocabulary), every end-of-generation token an end of the grammar's text."""
+        if self._ctx is None:
+            raise self._closed_error()
+        with self._shared._lock:
+            if self._shared.constraint_tokenizer is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                eog = [t for t in range(self.n_vocab) if capi.llama_vocab_is_eog(self._vocab, t)]
+                with warnings.catch_warnings():  # it reads each token's attributes by a deprecated name
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._shared.constraint_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=eog or None)
+            return self._shared.constraint_tokenizer
 
     def chat_template(self) -> str | None:
         if self._ctx is None:

@@ -16,12 +16,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import jsonschema
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from dflash_gguf import Session
+from dflash_gguf import GenerationConfig, Session
 from dflash_gguf.server import ServerConfig, create_app
 from dflash_gguf.server.cli import bind
 from dflash_gguf.server.serving import Server
@@ -88,7 +89,7 @@ def main_url(base):
 @pytest.fixture(scope="module")
 def tight_url(base):
     sessions = [base.fork()]
-    with serve(sessions, ServerConfig(max_queue=1, block_size=TIGHT_BLOCK)) as url:
+    with serve(sessions, ServerConfig(max_queue=1, generation=GenerationConfig(block_size=TIGHT_BLOCK))) as url:
         yield url
     for s in sessions:
         s.close()
@@ -200,13 +201,44 @@ def test_anthropic_fields_the_sdk_sends_are_acted_on_accepted_or_refused_by_name
         output_config={"effort": "low"},
     )
     assert got.content[0].text == reference_chat(ref, messages).text
-    schema = {"type": "json_schema", "schema": {"type": "object", "properties": {"c": {"type": "number"}}}}
-    with pytest.raises(anthropic.BadRequestError) as refused:
-        claude.messages.create(model="smol", max_tokens=8, messages=messages, output_config={"format": schema})
-    assert refused.value.body["error"]["message"].startswith("output_config.format:")
     with pytest.raises(anthropic.BadRequestError) as unknown:
         claude.messages.create(model="smol", max_tokens=8, messages=messages, extra_body={"frobnicate": 1})
     assert "frobnicate" in unknown.value.body["error"]["message"]
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}, "celsius": {"type": "integer"}},
+          "required": ["city", "celsius"], "additionalProperties": False}
+
+
+def test_structured_output_on_every_route_follows_the_schema(oai, claude):
+    """OpenAI json_schema and json_object, Anthropic output_config.format, GBNF grammar: replies that parse and
+    validate, streamed and not, and the same tokens as the Session's own constrained decoding."""
+    messages = ask("Which city is the capital of France, and how warm is it there in July?")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    r = oai.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+    streamed = oai.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0,
+                                           response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+    obj = oai.chat.completions.create(model="smol", messages=messages, max_tokens=64, temperature=0,
+                                      response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    msg = claude.messages.create(model="smol", max_tokens=64, messages=messages, extra_body=GREEDY,
+                                 output_config={"format": {"type": "json_schema", "schema": ANSWER}})
+    assert msg.content[0].text == r.choices[0].message.content  # the same constraint, the same greedy reply
+    yes_no = oai.completions.create(model="smol", prompt="Is Paris in France? Answer:", max_tokens=4, temperature=0,
+                                    extra_body={"grammar": 'root ::= " yes" | " no"'})
+    assert yes_no.choices[0].text in (" yes", " no")
+
+
+@pytest.mark.slow
+def test_a_hundred_schema_replies_all_validate(oai):
+    """Sampled replies under response_format json_schema: 100 of 100 parse and validate."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    for seed in range(100):
+        r = oai.chat.completions.create(model="smol", messages=ask("Name a city and its July temperature."),
+                                        max_tokens=48, temperature=1.0, seed=seed, response_format=fmt)
+        jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
 
 
 def test_max_completion_tokens_wins_over_max_tokens(oai):
@@ -385,7 +417,10 @@ MALFORMED = [
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "tools": [{"name": "f"}]},
      400, "tools_unsupported", "tools"),
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "output_config": {"format": {
-        "type": "json_schema", "schema": {"type": "object"}}}}, 400, "unsupported_parameter", "output_config.format"),
+        "type": "json_schema", "schema": {"type": "nonsense"}}}}, 400, "invalid_value", "output_config.format.schema"),
+    (CHAT, {"messages": ask("Hi"), "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "invalid_value", "response_format.json_schema.schema"),
+    (CHAT, {"messages": ask("Hi"), "grammar": "root ::= (("}, 400, "invalid_value", "grammar"),
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "mcp_servers": []},
      400, "unsupported_parameter", "mcp_servers"),
     (CHAT, {"messages": ask("Hi"), "frobnicate": 1}, 400, "unsupported_parameter", "frobnicate"),

@@ -22,6 +22,7 @@ from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
 
 PROG = "dflash-serve"
 SESSION = ("n_ctx", "n_gpu_layers", "n_threads", "lookup")
+GENERATION = ("block_size",)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
     add_arguments(p, SessionOptions, SESSION)  # per slot
-    add_arguments(p, GenerationConfig, ("block_size",))
+    add_arguments(p, GenerationConfig, GENERATION)  # server-wide; each request's own fields apply over them
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
     p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> SessionOptions:
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[SessionOptions, GenerationConfig]:
     if a.drafter is not None and a.target is None:
         p.error("--drafter needs --target: the embedded drafter belongs to the embedded target")
     for flag, path in (("--target", a.target), ("--drafter", a.drafter)):
@@ -60,8 +61,7 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> SessionOpt
         p.error("--model-alias must not be empty")
     if a.api_key is not None and not a.api_key:
         p.error("--api-key must not be empty")
-    from_arguments(p, GenerationConfig, a, ("block_size",))
-    return from_arguments(p, SessionOptions, a, SESSION)
+    return from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION)
 
 
 def is_loopback(host: str) -> bool:
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.api_key is None and os.environ.get("DFLASH_API_KEY"):
         a.api_key = os.environ["DFLASH_API_KEY"]
-    options = _check_args(p, a)
+    options, generation = _check_args(p, a)
     try:
         import uvicorn
 
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     try:
         config = ServerConfig(model_alias=a.model_alias, api_key=a.api_key, max_queue=a.queue,
-                              max_body_bytes=a.max_body_bytes, block_size=a.block_size,
+                              max_body_bytes=a.max_body_bytes, generation=generation,
                               accept_any_model=a.accept_any_model, created=int(time.time()))
         app = create_app(sessions, config)
         host, port = sock.getsockname()[:2]

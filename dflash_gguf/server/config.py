@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..config import GenerationConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 DEFAULT_MODEL_ALIAS = "dflash"
@@ -16,7 +18,8 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 16  # requests that may wait for a slot; one more gets 429
     max_body_bytes: int = 1 << 20
-    block_size: int | None = None  # None: the controller chooses per cycle
+    # the server's own generation settings (block_size from --block-size); each request's fields apply over them
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     accept_any_model: bool = False  # answer whatever `model` a client names (agents send their own names)
     created: int = 0  # the model's `created` in /v1/models
 
@@ -27,7 +30,5 @@ class ServerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")

@@ -88,7 +88,7 @@ class Engine:
                            "for at least one more", param="messages" if job.messages is not None else "prompt",
                            code="context_length_exceeded")
         try:  # checked here, before a slot is taken; the request's own field names are the config's
-            config = GenerationConfig.build(**job.gen, stop=job.user_stops, block_size=self.config.block_size)
+            config = GenerationConfig.build(self.config.generation, **job.gen, stop=job.user_stops)
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
         config = config.with_stops(template_stops)

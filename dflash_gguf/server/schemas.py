@@ -1,8 +1,9 @@
 """Request models: llama_cpp.server's OpenAI types, extended with what newer clients send, and the Anthropic Messages request.
 
 What the Session cannot do is refused with a 400 naming the field, never dropped: penalties, logit
-bias, grammars, logprobs, n > 1, structured output, and tools (the chat path renders no tool definitions
-and parses no tool calls). Parameters left at their neutral value are accepted, since clients send the
+bias, logprobs, n > 1, and tools (the chat path renders no tool definitions and parses no tool calls).
+Structured output is acted on: `grammar` (GBNF), OpenAI `response_format` (json_object, json_schema) and
+Anthropic `output_config.format` become the Session's grammar / json_schema constraint. Parameters left at their neutral value are accepted, since clients send the
 defaults; output_config.effort, metadata, cache_control, service_tier and the like change nothing about a
 local model's reply and are accepted as neutral.
 """
@@ -16,6 +17,8 @@ import llama_cpp
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..checks import SettingError
+from ..config import GenerationConfig
 from .errors import APIError
 
 Message = dict[str, str]
@@ -57,6 +60,8 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, ge=0.0)
     parallel_tool_calls: Optional[bool] = None
+    # OpenAI's shapes: text, json_object (with llama-cpp-python's optional `schema`), json_schema
+    response_format: Optional[dict[str, Any]] = None
     # neutral for a local model: nothing about the reply changes (prefixes are cached whatever the key says;
     # a prediction only ever speeds a reply up, never changes it)
     metadata: Optional[dict[str, Any]] = None
@@ -188,13 +193,16 @@ def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Jo
         raise _refuse(name, tools_refusal(template_has_tools), "tools_unsupported")
     _check_neutral(req, {
         "n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
+        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "min_tokens": 0,
         "store": False, "modalities": (["text"],), "audio": None, "web_search_options": None,
     })
     if req.logit_bias:
         raise _refuse("logit_bias", "not supported by dflash-serve")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _refuse("response_format", "only {'type': 'text'} is supported")
+    constraint = _response_format(req.response_format)
+    if req.grammar is not None:
+        if constraint:
+            raise _refuse("grammar", "give either grammar or a JSON response_format, not both", "invalid_value")
+        constraint = _constraint("grammar", req.grammar, "grammar")
     messages: list[Message] = []
     for i, m in enumerate(req.messages):
         role = m["role"]
@@ -202,7 +210,7 @@ def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Jo
             raise _refuse(f"messages.{i}", "tool and function messages are not supported", "tools_unsupported")
         messages.append({"role": role, "content": _text_parts(m.get("content"), f"messages.{i}.content")})
     max_tokens = req.max_completion_tokens or req.max_tokens or None
-    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | constraint
     gen["max_tokens"] = max_tokens
     stops = _stops(req.stop)
     return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage))
@@ -211,7 +219,7 @@ def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Jo
 def completion_job(req: CompletionRequest) -> Job:
     _check_neutral(req, {
         "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "grammar": None, "min_tokens": 0,
+        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "min_tokens": 0,
         "echo": False, "suffix": None,
     })
     if req.logit_bias:
@@ -224,6 +232,8 @@ def completion_job(req: CompletionRequest) -> Job:
     if not prompt:
         raise _refuse("prompt", "the prompt is empty", "invalid_value")
     gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    if req.grammar is not None:
+        gen |= _constraint("grammar", req.grammar, "grammar")
     gen["max_tokens"] = req.max_tokens or None  # 0 or None: up to the end of the context (llama_cpp's rule)
     return Job(None, prompt, gen, _stops(req.stop), req.stream,
                bool(req.stream_options and req.stream_options.include_usage))
@@ -233,12 +243,12 @@ def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
     if req.tools or req.tool_choice:
         raise _refuse("tools" if req.tools else "tool_choice", tools_refusal(template_has_tools), "tools_unsupported")
     output = req.output_config or {}
-    if output.get("format") is not None:
-        raise _refuse("output_config.format", "structured output (a JSON schema) is not supported yet")
     if set(output) - {"format", "effort"}:
         raise _refuse(f"output_config.{sorted(set(output) - {'format', 'effort'})[0]}", "not supported")
-    if req.output_format is not None:
-        raise _refuse("output_format", "structured output is not supported")
+    if output.get("format") is not None and req.output_format is not None:
+        raise _refuse("output_format", "give output_config.format or output_format, not both", "invalid_value")
+    fmt, where = (output.get("format"), "output_config.format") if output.get("format") else (req.output_format, "output_format")
+    constraint = _anthropic_format(fmt, where) if fmt is not None else {}
     if req.thinking and req.thinking.get("type") not in (None, "disabled", "adaptive"):
         # "adaptive" lets the model decide whether to think, and this one answers directly
         raise _refuse("thinking", "extended thinking is not supported (use 'adaptive' or 'disabled')")
@@ -249,7 +259,7 @@ def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
         messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
     for i, m in enumerate(req.messages):
         messages.append({"role": m.role, "content": _anthropic_text(m.content, f"messages.{i}.content")})
-    gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None)
+    gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True)
 
@@ -264,6 +274,38 @@ def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
                           "tools_unsupported" if block.type.startswith("tool") else "unsupported_parameter")
         texts.append(block.text or "")
     return "".join(texts)
+
+
+def _constraint(kind: str, source: Any, param: str) -> dict[str, Any]:
+    """A grammar / json_schema setting, compiled here so that a bad one is a 400 naming the request's field."""
+    try:
+        GenerationConfig(**{kind: source})
+    except SettingError as e:
+        raise _refuse(param, e.problem, "invalid_value") from None
+    return {kind: source}
+
+
+def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI's response_format as a constraint; json_schema is enforced whether or not `strict` is set."""
+    kind = None if fmt is None else fmt.get("type")
+    if kind in (None, "text"):
+        return {}
+    if kind == "json_object":
+        return _constraint("json_schema", fmt.get("schema") or {"type": "object"}, "response_format.schema")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise _refuse("response_format.json_schema.schema", "a json_schema response_format needs its 'schema' object",
+                          "invalid_value")
+        return _constraint("json_schema", spec["schema"], "response_format.json_schema.schema")
+    raise _refuse("response_format.type", f"must be text, json_object or json_schema, got {kind!r}", "invalid_value")
+
+
+def _anthropic_format(fmt: dict[str, Any], param: str) -> dict[str, Any]:
+    """Anthropic's output format ({"type": "json_schema", "schema": {...}}) as a constraint."""
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _refuse(f"{param}.type", "must be {'type': 'json_schema', 'schema': {...}}", "invalid_value")
+    return _constraint("json_schema", fmt["schema"], f"{param}.schema")
 
 
 def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict[str, Any]:

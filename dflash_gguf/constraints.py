@@ -1,0 +1,129 @@
+"""Constrained decoding: a GBNF grammar, a JSON schema or a regex, as a token mask per position.
+
+Built on llguidance, the matcher llama.cpp, vLLM and SGLang use: it compiles a grammar lazily against the
+target's vocabulary, computes a mask in microseconds, rolls back tokens, and tells which tokens the grammar
+forces. That is all a speculative loop needs: a verify batch masks each of its rows with the state after
+the drafts before it, a draft the grammar forbids ends the block, and only committed tokens advance the
+matcher. Under the mask, greedy output equals plain constrained decoding and sampling follows the
+constrained target distribution.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import llguidance
+import numpy as np
+
+# what a GenerationConfig may carry, each compiled by llguidance's own front end
+KINDS = ("grammar", "json_schema", "regex")
+
+
+class ConstraintError(ValueError):
+    """The grammar, schema or regex does not compile, or the model reached a state the grammar rejects."""
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema (a dict, or JSON text of an object) as compact JSON text, its key order kept (the order
+    of `properties` is the order the reply writes them in)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise TypeError(f"must be a JSON schema object (a dict or its JSON text), got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"))
+
+
+@lru_cache(maxsize=64)
+def compile_grammar(kind: str, source: str) -> str:
+    """llguidance's grammar definition for a GBNF (or Lark) grammar, a JSON schema's text or a regex; ValueError
+    if it does not compile. Checked without a vocabulary, so a config is validated before any model loads."""
+    try:
+        if kind == "grammar":
+            grammar = llguidance.grammar_from("grammar", source)
+        elif kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        else:
+            raise ValueError(f"unknown constraint kind {kind!r}: one of {', '.join(KINDS)}")
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the front ends raise their own types for bad input
+        raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise ValueError(error.splitlines()[0])
+    return grammar
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """Which constraint a generation carries: kind and source, compiled once when the config is built."""
+
+    kind: str
+    grammar: str  # llguidance's definition, from compile_grammar
+
+
+class Constraint:
+    """One generation's matcher over the target's vocabulary; it holds exactly the committed tokens."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, spec: ConstraintSpec, n_vocab: int) -> None:
+        self._matcher = llguidance.LLMatcher(tokenizer, spec.grammar, log_level=0)
+        self._check()
+        self._n_vocab = n_vocab
+        self._words = (tokenizer.vocab_size + 31) // 32
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise ConstraintError(f"constraint: {self._matcher.get_error().splitlines()[0]}")
+
+    def allowed(self) -> np.ndarray:
+        """(n_vocab,) bool: the tokens the grammar admits next."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self._n_vocab].astype(bool)
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar admits; the matcher is left as it was."""
+        return self._matcher.validate_tokens(list(map(int, drafts)))
+
+    def mask_block(self, logits: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
+        """A copy of a verify block's logits (k+1, V), row i masked with the state after drafts[:i].
+
+        Rows after the first draft the grammar forbids are left unmasked: that draft is rejected (its
+        target probability is 0 under its row's mask), so no row after it is read.
+        """
+        out = np.array(logits, dtype=np.float32)
+        n_ok = self.valid_prefix(drafts)
+        for i in range(min(n_ok + 1, out.shape[0])):
+            out[i, ~self.allowed()] = -np.inf
+            if i < n_ok:
+                self._matcher.consume_token(int(drafts[i]))
+        self._check()
+        if n_ok:
+            self._matcher.rollback(n_ok)
+        return out
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance past committed tokens (each chosen under the mask, so each is admitted). Once the grammar
+        is complete the mask admits only an end-of-generation token, which ends the reply: nothing to consume."""
+        for token in tokens:
+            if self._matcher.is_stopped():
+                return
+            if not self._matcher.consume_token(int(token)):
+                error = self._matcher.get_error().splitlines()[0]
+                raise ConstraintError(f"constraint: a committed token was refused ({error})")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar admits as the only continuation from here (none: a choice remains)."""
+        return list(self._matcher.compute_ff_tokens())
+
+    @property
+    def finished(self) -> bool:
+        """The grammar admits nothing more (not even an end-of-generation token)."""
+        return self._matcher.is_stopped()
