@@ -94,7 +94,7 @@ def test_sampling_follows_the_masked_target_distribution(pair):
     prompt = pair.tokenize(CAPITAL)
     params = SamplingParams(temperature=1.0)
     pairs = []
-    for seed in range(300):
+    for seed in range(200):
         # three tokens at most: the cycle after the prefill has room for one draft, which decides the second
         r = pair.generate(CAPITAL, max_tokens=3, regex=regex, temperature=1.0, seed=seed, block_size=4)
         assert len(r.tokens) >= 2
@@ -109,7 +109,7 @@ def test_sampling_follows_the_masked_target_distribution(pair):
     pair.target.decode(prompt + [first], 0, logits="last")
     exact = probabilities(constraint.mask_block(pair.target.output_logits()[-1:], ()), params)[0]
     pair.reset()
-    assert len(second) >= 50 and chi_square_p_value(second, exact) > 1e-3
+    assert len(second) >= 40 and chi_square_p_value(second, exact) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs, field", [
