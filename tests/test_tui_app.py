@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -188,16 +189,34 @@ def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> 
     run_app(app, scenario)
 
 
-def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
+def test_reply_streams_live_and_escape_keeps_the_partial_reply(session, monkeypatch) -> None:
     app = ChatApp(session, options(max_tokens=200))
+    release = threading.Event()
+    stream_chat = session.stream_chat
+
+    def held_after_some_text(messages, **gen):
+        """The Session's own reply, held once it has shown some text until Esc was pressed: mid-reply
+        however fast the machine, not by the reply's length."""
+        text = ""
+        for step in stream_chat(messages, **gen):
+            yield step
+            text += step.text
+            if len(text) > 8 and not release.is_set():
+                release.wait()
+
+    monkeypatch.setattr(session, "stream_chat", held_after_some_text)
 
     async def scenario(pilot: Pilot) -> None:
         await send(pilot, LONG_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
-        # mid-reply: the tokens and the stats panel are already live
-        assert app.busy and not app.reply.widget.finished
-        assert number(figures(app)["cycles"]) >= 1 and number(figures(app)["drafted"]) >= 3
-        await pilot.press("escape")
+        try:
+            await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8,
+                           "streamed text")
+            # mid-reply: the tokens and the stats panel are already live
+            assert app.busy and not app.reply.widget.finished
+            assert number(figures(app)["cycles"]) >= 1 and number(figures(app)["drafted"]) >= 3
+            await pilot.press("escape")
+        finally:
+            release.set()
         await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
         [reply] = replies(app)
         partial = shown_markdown(reply)
