@@ -56,6 +56,7 @@ def test_a_batch_of_one_token_decodes_plainly_and_says_so_once(embedded_target, 
     assert first.tokens == second.tokens and len(first.tokens) == 6
 
 
+@pytest.mark.slow  # adaptive generation: measures the verify costs first
 def test_the_first_adaptive_generation_after_plain_ones_calibrates(dflash_gguf_path):
     """Plain generations advance the target but not the drafter: calibrating then at the target's position
     made the drafter inject out of order (libllama refused the batch)."""
