@@ -71,9 +71,8 @@ class GGUFContents:
 
     def __init__(self, path: Path) -> None:
         self.data = np.memmap(path, dtype=np.uint8, mode="r")
-        self._buf, self._pos = memoryview(self.data), 0
+        self._buf, self._pos = memoryview(self.data), 4
         assert bytes(self._buf[:4]) == b"GGUF", path
-        self._pos = 4
         version, n_tensors, n_kv = self._unpack("<I"), self._unpack("<Q"), self._unpack("<Q")
         assert version == 3, (path, version)
         self.fields: dict[str, Any] = {}
