@@ -34,6 +34,7 @@ def plain_outputs(embedded_target):
         return {p: _chat(s, p, speculative=False).tokens for p in (COPY, ORDINARY)}
 
 
+@pytest.mark.slow  # adaptive: lookup's verify costs are measured first; two 48-token replies per prompt
 @pytest.mark.parametrize("dflash", [False, True], ids=["lookup", "lookup+dflash"])
 def test_greedy_output_is_plain_decoding(embedded_target, plain_outputs, dflash):
     """Without a drafter the Session speculates with lookup alone; lookup=True puts it next to the drafter.
@@ -66,6 +67,7 @@ def test_a_session_without_drafter_speculates(embedded_target):
     assert r.stats.n_drafted > 0
 
 
+@pytest.mark.slow  # a Llama of its own, two 48-token replies (test_session covers from_llama quick)
 def test_a_wrapped_llama_without_drafter_speculates(embedded_target):
     import llama_cpp
 
