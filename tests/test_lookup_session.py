@@ -82,6 +82,7 @@ def test_a_wrapped_llama_without_drafter_speculates(embedded_target):
 PROMPT = "The capital of France is Paris. The capital of France is"
 
 
+@pytest.mark.slow  # 160 seeded generations
 def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
     """Block 2: the token after the first is always a lookup draft (slot 1 of the first cycle) when the first token repeats the prompt's."""
     params = SamplingParams(temperature=1.0)
