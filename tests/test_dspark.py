@@ -211,7 +211,7 @@ def plain_texts(embedded_target):
         return [s.generate(p, max_tokens=24, temperature=0.0, speculative=False).tokens for p in PROMPTS]
 
 
-@pytest.mark.slow  # three prompts, 24 tokens each, drafted in blocks of 8 (229 s under a shared machine's load)
+@pytest.mark.slow  # a Session per variant, three prompts of 24 tokens drafted in blocks of 8
 @pytest.mark.parametrize("name", ["anchor", "bonus", "reduced"])
 def test_greedy_session_equals_plain_decoding(dspark, name, plain_texts):
     _, out = dspark(name)
