@@ -279,8 +279,8 @@ def test_a_generation_cut_short_by_close_raises(dflash_gguf_path):
     first_step, closed = threading.Event(), threading.Event()
     steps = s._steps
 
-    def held(tokens, config):
-        it = steps(tokens, config)
+    def held(*args, **kwargs):
+        it = steps(*args, **kwargs)
         step = next(it)
         assert step.finish_reason is None  # the generation has more to do
         yield step

@@ -194,11 +194,11 @@ def test_reply_streams_live_and_escape_keeps_the_partial_reply(session, monkeypa
     release = threading.Event()
     stream_chat = session.stream_chat
 
-    def held_after_some_text(messages, **gen):
+    def held_after_some_text(*args, **kwargs):
         """The Session's own reply, held once it has shown some text until Esc was pressed: mid-reply
         however fast the machine, not by the reply's length."""
         text = ""
-        for step in stream_chat(messages, **gen):
+        for step in stream_chat(*args, **kwargs):
             yield step
             text += step.text
             if len(text) > 8 and not release.is_set():
