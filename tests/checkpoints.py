@@ -10,17 +10,18 @@ import ctypes
 import functools
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import gguf
 import llama_cpp
 import numpy as np
-import torch
-from safetensors.torch import load_file
-from transformers import Qwen3Config
 
 from dflash_gguf.schema import gguf_tensor_name
 from dflash_gguf.target_gguf import FastGGUFReader, MetadataField
+
+if TYPE_CHECKING:  # torch and transformers load only where a checkpoint is built or read (seconds of import)
+    import torch
+    from transformers import Qwen3Config
 
 # SmolLM2-135M-Instruct, the embedded target
 HIDDEN_SIZE = 576
@@ -56,6 +57,8 @@ def reference_config(
 
     `target_layer_ids=None` leaves them out: the reference then derives them from num_target_layers.
     """
+    from transformers import Qwen3Config
+
     dflash_config = {"block_size": block_size, "mask_token_id": mask_token_id}
     if target_layer_ids is not None:
         dflash_config["target_layer_ids"] = list(target_layer_ids)
@@ -90,15 +93,16 @@ def make_reference_checkpoint(
     target_layer_ids: Sequence[int] | None = TARGET_LAYER_IDS,
     block_size: int = BLOCK_SIZE,
     mask_token_id: int = MASK_TOKEN_ID,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     max_shard_size: str | None = None,
 ) -> Path:
     """Save a random-weight reference drafter to `directory` (config.json + safetensors) and return it.
 
     Every parameter is drawn from the seed (the reference leaves DFlash2's conv bases
-    uninitialised): matrices ~ N(0, 0.02), norm weights ~ 1 + N(0, 0.02).
+    uninitialised): matrices ~ N(0, 0.02), norm weights ~ 1 + N(0, 0.02), saved as `dtype` (bf16 by default).
     `max_shard_size` (e.g. "5MB") makes a sharded checkpoint with an index.
     """
+    import torch
     from dflash.model import DFlash2DraftModel, DFlashDraftModel
 
     config = reference_config(
@@ -112,7 +116,7 @@ def make_reference_checkpoint(
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.02
             param.copy_(1.0 + noise if "norm" in name else noise)
-    model = model.to(dtype)
+    model = model.to(torch.bfloat16 if dtype is None else dtype)
     directory = Path(directory)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
@@ -172,6 +176,9 @@ def meta(model, key: str) -> str:
 
 def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
     """GGUF name -> float32 values, read with the safetensors library (an independent reader)."""
+    import torch
+    from safetensors.torch import load_file
+
     values: dict[str, np.ndarray] = {}
     for file in sorted(directory.glob("*.safetensors")):
         for name, tensor in load_file(file).items():

@@ -1,6 +1,7 @@
 """Session fixtures shared by every test module: the embedded target and real converted drafters.
 
-Each reference checkpoint is built and converted once per session (tens of MB each).
+Each reference checkpoint is built and converted once per session (tens of MB each). torch, transformers and
+z-lab's reference load inside the fixtures that build checkpoints, so a test that needs none of them never imports them.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import make_reference_checkpoint
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.defaults import embedded_target as _embedded_target
 
@@ -23,12 +23,16 @@ def embedded_target() -> Path:
 @pytest.fixture(scope="session")
 def reference_checkpoint(tmp_path_factory) -> Path:
     """A 1-layer random-weight DFlash checkpoint directory (bf16), built by the reference package."""
+    from checkpoints import make_reference_checkpoint
+
     return make_reference_checkpoint(tmp_path_factory.mktemp("dflash_ckpt"), kind="dflash")
 
 
 @pytest.fixture(scope="session")
 def reference_checkpoint_dflash2(tmp_path_factory) -> Path:
     """A 1-layer random-weight DFlash2 checkpoint directory (bf16), built by the reference package."""
+    from checkpoints import make_reference_checkpoint
+
     return make_reference_checkpoint(tmp_path_factory.mktemp("dflash2_ckpt"), kind="dflash2")
 
 

@@ -80,12 +80,14 @@ def test_requantize_refuses_unknown_types_before_libllama(tmp_path, embedded_tar
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # requantizes the target to Q8_0
 def test_advice_only_for_weight_types_without_repacked_kernels(embedded_target, tmp_path) -> None:
     assert "Q8_0 requantization" in kernels.kernel_advice(embedded_target)
     q8 = kernels.requantize(embedded_target, tmp_path / "q8.gguf", "Q8_0")
     assert kernels.kernel_advice(q8) is None
 
 
+@pytest.mark.slow  # times batches, teacher-forces every built-in prompt three times, generates
 def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path) -> None:
     report = kernels.measure(
         {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4,
@@ -111,6 +113,7 @@ def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path
 
 
 
+@pytest.mark.slow  # a whole bench run with three peers
 def test_tiny_run_writes_json_markdown_and_plot(tmp_path, capsys, dflash_gguf_path) -> None:
     out = tmp_path / "results"
     rc, stdout, err = run_cli(
@@ -198,6 +201,7 @@ def test_mode_summary_is_a_view_of_the_stats_model() -> None:
     assert (rejected.tau, passed.tau, passed.cycles) == (1.0, 2.0, 2)
 
 
+@pytest.mark.slow  # z-lab's reference in torch
 def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target, reference_checkpoint) -> None:
     from dflash_gguf.bench.peers import reference_tau
     from dflash_gguf.target import Target
@@ -225,6 +229,7 @@ def test_bad_modes_are_one_line(capsys) -> None:
     assert rc == 2 and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a bench run in four modes
 def test_lookup_modes_run_interleaved_and_match_plain(tmp_path, capsys) -> None:
     out = tmp_path / "results"
     suite = [line for line in builtin_suite_path().read_text(encoding="utf-8").splitlines() if "self_instruct_seed-85" in line]
@@ -254,6 +259,7 @@ def _one_prompt(tmp_path: Path, text: str = "Say something about the sea.") -> P
     return prompts
 
 
+@pytest.mark.slow  # bench runs on the hybrid targets
 @pytest.mark.parametrize("arch, mechanism", [("qwen35", "rs-snapshot"), ("qwen3next", "checkpoint")])
 def test_bench_on_a_hybrid_target_reports_its_memory(hybrid_models, arch, mechanism, tmp_path, capsys) -> None:
     out = tmp_path / "results"
@@ -278,6 +284,7 @@ def test_bench_on_a_hybrid_target_reports_its_memory(hybrid_models, arch, mechan
     assert f"- target_memory: {mechanism}" in stdout and "- recurrent_state_bytes: " in stdout
 
 
+@pytest.mark.slow  # kernel sweeps on the hybrid targets
 @pytest.mark.parametrize("arch, mechanism", [("qwen35", "rs-snapshot"), ("qwen3next", "checkpoint")])
 def test_kernel_sweep_on_a_hybrid_target(hybrid_models, arch, mechanism) -> None:
     report = kernels.measure({arch: hybrid_models.target(arch)}, sizes=(1, 4), repeats=1, n_threads=1,
@@ -290,6 +297,7 @@ def test_kernel_sweep_on_a_hybrid_target(hybrid_models, arch, mechanism) -> None
     assert f"rolled back by {mechanism}" in kernels.to_markdown(report)
 
 
+@pytest.mark.slow  # builds and converts a DSpark drafter, then a bench run
 def test_bench_with_a_dspark_drafter_reports_its_confidence_head(embedded_target, tmp_path, capsys) -> None:
     from dflash_gguf.convert import convert_checkpoint
     from dspark_reference import make_dspark_checkpoint

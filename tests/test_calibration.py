@@ -11,6 +11,7 @@ from dflash_gguf import Session
 N_CTX, N_BATCH = 512, 64
 
 
+@pytest.mark.slow  # on the hybrid targets, which upstream's converter builds first
 @pytest.mark.parametrize("arch,mechanism", [("qwen35", "snapshot"), ("qwen3next", "checkpoint")])
 def test_calibration_rolls_back_with_the_loops_mechanism(hybrid_models, arch, mechanism):
     """At position 0 a hybrid memory rolls back by clearing, which no verify in the loop does: calibration
@@ -33,6 +34,7 @@ def test_calibration_rolls_back_with_the_loops_mechanism(hybrid_models, arch, me
         assert r.stats.memory == ("rs-snapshot" if mechanism == "snapshot" else "checkpoint")
 
 
+@pytest.mark.slow  # on the hybrid targets, which upstream's converter builds first
 def test_lookup_calibration_on_a_hybrid_target_prices_its_rollback(hybrid_models):
     with Session(hybrid_models.target("qwen35"), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as s:
         costs = s._lookup_verify_costs()
@@ -54,6 +56,7 @@ def test_a_batch_of_one_token_decodes_plainly_and_says_so_once(embedded_target, 
     assert first.tokens == second.tokens and len(first.tokens) == 6
 
 
+@pytest.mark.slow  # adaptive generation: measures the verify costs first
 def test_the_first_adaptive_generation_after_plain_ones_calibrates(dflash_gguf_path):
     """Plain generations advance the target but not the drafter: calibrating then at the target's position
     made the drafter inject out of order (libllama refused the batch)."""

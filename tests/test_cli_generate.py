@@ -17,6 +17,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # dflash-generate in a fresh process: imports, loads both models, generates twice
 def test_generates_and_compares_with_plain_decoding(dflash_gguf_path, embedded_target):
     p = run("--target", str(embedded_target), "--drafter", str(dflash_gguf_path), "--threads", "2",
             "--n-ctx", "512", "--max-tokens", "12", "--block-size", "4", "--compare", "Name a fruit.")

@@ -23,6 +23,7 @@ def _steps(session: Session, prompt: str, **gen) -> list:
     return list(session.stream(prompt, max_tokens=MAX_TOKENS, temperature=0.0, **gen))
 
 
+@pytest.mark.slow  # every prompt generated three times per DSpark drafter
 @pytest.mark.parametrize("name", ["anchor", "bonus"])
 def test_a_threshold_verifies_fewer_tokens_and_keeps_the_output(dspark, name, plain_texts):
     _, out = dspark(name)
@@ -41,6 +42,7 @@ def test_a_threshold_verifies_fewer_tokens_and_keeps_the_output(dspark, name, pl
         assert verified(cut_runs) < verified(uncut.values())
 
 
+@pytest.mark.slow  # adaptive generation: measures the verify costs first
 def test_adaptive_scheduling_keeps_the_output(dspark, plain_texts):
     _, out = dspark("anchor")
     with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2, lookup=False) as s:

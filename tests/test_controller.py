@@ -185,6 +185,7 @@ def test_cost_table_interpolates_and_smooths() -> None:
         CostTable({})
 
 
+@pytest.mark.slow  # times verify batches of every size, target and drafter
 def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, dflash_gguf_path) -> None:
     from dflash_gguf.controller import calibrate
     from dflash_gguf.drafter import Drafter

@@ -180,6 +180,7 @@ def test_interleaved_rope_checkpoints_are_permuted_to_neox_order(reference_check
     np.testing.assert_array_equal(written["blk.0.attn_v.weight"][1], source["blk.0.attn_v.weight"])
 
 
+@pytest.mark.slow  # writes an M-RoPE target GGUF and converts against it
 def test_mrope_target_gets_degenerate_rope_sections(reference_checkpoint, embedded_target, tmp_path):
     # the embedded target's geometry and tokenizer, re-labelled as an M-RoPE HunYuan-VL (a transformer whose layer inputs libllama records)
     sections = MetadataField("hunyuan_vl.rope.dimension_sections", [16, 24, 24, 0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
@@ -193,6 +194,7 @@ def test_mrope_target_gets_degenerate_rope_sections(reference_checkpoint, embedd
         assert meta(model, Keys.ARCHITECTURE) == "dflash"
 
 
+@pytest.mark.slow  # a checkpoint with its own 49k-row head, converted
 def test_own_full_vocabulary_head_is_kept(reference_checkpoint, tmp_path):
     dest = Path(shutil.copytree(reference_checkpoint, tmp_path / "ckpt"))
     tensors = load_file(dest / "model.safetensors")
@@ -204,6 +206,7 @@ def test_own_full_vocabulary_head_is_kept(reference_checkpoint, tmp_path):
         assert llama_ext.target_layer_ids(model) == GGUF_LAYERS
 
 
+@pytest.mark.slow  # dflash-convert in a fresh process with torch blocked
 def test_cli_end_to_end_without_torch(reference_checkpoint_dflash2, embedded_target, tmp_path):
     out = tmp_path / "cli.gguf"
     script = (

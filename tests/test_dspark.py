@@ -36,6 +36,12 @@ VARIANTS = {
 }
 
 
+def variants(*names: str) -> list:
+    """Parameters for these variants: "anchor" in the quick tier, the others in the full suite only
+    (each variant is a checkpoint built and converted, then a Session of its own)."""
+    return [name if name == "anchor" else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
 class Built:
     """Each variant's checkpoint and GGUF, built on first use and kept for the session."""
 
@@ -66,7 +72,7 @@ def embeddings(target):
 # --- conversion ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", variants(*VARIANTS))
 def test_dspark_gguf_holds_the_heads_libllama_reads(dspark, name):
     anchor, conf, vocab, _ = VARIANTS[name]
     ck, out = dspark(name)
@@ -92,6 +98,7 @@ def test_dspark_gguf_holds_the_heads_libllama_reads(dspark, name):
     assert "(DSpark)" in text and f"markov rank:" in text and ("confidence head:    yes" in text) == conf
 
 
+@pytest.mark.slow  # the reduced-vocabulary variant, built for this
 def test_markov_weights_round_trip_exactly(dspark):
     ck, out = dspark("reduced")
     want = {k: v.to(torch.float32).numpy() for k, v in load_file(ck / "model.safetensors").items() if v.is_floating_point()}
@@ -117,7 +124,7 @@ def _drafter_and_reference(dspark, name, target, embeddings):
     return drafter, Weights.load(ck, embeddings, embeddings)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", variants(*VARIANTS))
 def test_native_block_matches_the_reference_forward(dspark, name, target, embeddings):
     anchor, conf, vocab, _ = VARIANTS[name]
     drafter, w = _drafter_and_reference(dspark, name, target, embeddings)
@@ -152,6 +159,7 @@ def test_native_block_matches_the_reference_forward(dspark, name, target, embedd
         drafter.close()
 
 
+@pytest.mark.slow  # the bonus-anchor variant, built for this
 def test_markov_bias_changes_the_draft(dspark, embeddings):
     """The head is live: without its bias the reference drafts other tokens (else the test above proves little)."""
     ck, _ = dspark("bonus")
@@ -163,7 +171,7 @@ def test_markov_bias_changes_the_draft(dspark, embeddings):
     assert (with_head != without).any()
 
 
-@pytest.mark.parametrize("name", ["anchor", "reduced"])
+@pytest.mark.parametrize("name", variants("anchor", "reduced"))
 def test_sampled_drafts_report_the_q_they_were_drawn_from(dspark, name, target, embeddings):
     """Each sampled token's q is the reference's row conditioned on the token sampled before it (not the argmax)."""
     anchor = VARIANTS[name][0]
@@ -203,6 +211,7 @@ def plain_texts(embedded_target):
         return [s.generate(p, max_tokens=24, temperature=0.0, speculative=False).tokens for p in PROMPTS]
 
 
+@pytest.mark.slow  # a Session per variant, three prompts of 24 tokens drafted in blocks of 8
 @pytest.mark.parametrize("name", ["anchor", "bonus", "reduced"])
 def test_greedy_session_equals_plain_decoding(dspark, name, plain_texts):
     _, out = dspark(name)
@@ -214,6 +223,7 @@ def test_greedy_session_equals_plain_decoding(dspark, name, plain_texts):
         assert steps is None or any(st.n_drafted for st in steps)
 
 
+@pytest.mark.slow  # 240 seeded generations
 def test_sampled_session_follows_the_target_distribution(dspark, embedded_target):
     from collections import Counter
 

@@ -33,6 +33,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow  # hypothesis cases, each a dflash-convert in a fresh process
+
 EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "3"))
 REPORT = os.environ.get("DFLASH_FUZZ_REPORT")
 CASE_TIMEOUT_S = 120

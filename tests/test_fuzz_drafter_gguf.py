@@ -31,6 +31,8 @@ from hypothesis import strategies as st
 from dflash_gguf.convert import convert_checkpoint
 from dflash_gguf.target_gguf import FastGGUFReader, _field_value
 
+pytestmark = pytest.mark.slow  # each mutated drafter is opened by a Session in a fresh process
+
 EXAMPLES = int(os.environ.get("DFLASH_FUZZ_EXAMPLES", "3"))
 REPORT = os.environ.get("DFLASH_FUZZ_REPORT")  # a JSON-lines file each case's outcome is appended to
 CASE_TIMEOUT_S = 180

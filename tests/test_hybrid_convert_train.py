@@ -15,6 +15,8 @@ from dflash_gguf.train.target_spec import read_target_spec
 
 from hybrid_fixtures import HIDDEN, N_LAYER, build_drafter_checkpoint, draft_config
 
+pytestmark = pytest.mark.slow  # every test runs on the hybrid targets (tests/hybrid_fixtures.py builds them with upstream's converter)
+
 
 @pytest.mark.parametrize("arch", ["qwen35", "lfm2", "qwen3next"])
 def test_convert_pairs_with_a_hybrid_target(hybrid_models, arch):

@@ -18,6 +18,8 @@ from dflash_gguf.target_gguf import drafter_verify_tokens, read_target_info
 from hybrid_fixtures import DRAFT_BLOCK, build_drafter_checkpoint
 from test_hybrid_session import open_session
 
+pytestmark = pytest.mark.slow  # every test runs on the hybrid targets (tests/hybrid_fixtures.py builds them with upstream's converter)
+
 LAYERS = [1, 3]
 # batch variance of libllama's recurrent kernels on these fixtures is <= 0.02 (logits and features);
 # a rollback that leaves wrong state is off by 1..10 (test_the_feature_check_sees_a_wrong_rollback)

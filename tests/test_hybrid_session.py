@@ -21,6 +21,8 @@ import pytest
 from dflash_gguf import Session, Target
 from dflash_gguf.memory import HybridMemory
 
+pytestmark = pytest.mark.slow  # every test runs on the hybrid targets (tests/hybrid_fixtures.py builds them with upstream's converter)
+
 PROMPT = "Good morning!"
 N_TOKENS = 40
 N_CTX, N_BATCH = 512, 64

@@ -34,6 +34,7 @@ def plain_outputs(embedded_target):
         return {p: _chat(s, p, speculative=False).tokens for p in (COPY, ORDINARY)}
 
 
+@pytest.mark.slow  # adaptive: lookup's verify costs are measured first; two 48-token replies per prompt
 @pytest.mark.parametrize("dflash", [False, True], ids=["lookup", "lookup+dflash"])
 def test_greedy_output_is_plain_decoding(embedded_target, plain_outputs, dflash):
     """Without a drafter the Session speculates with lookup alone; lookup=True puts it next to the drafter.
@@ -66,6 +67,7 @@ def test_a_session_without_drafter_speculates(embedded_target):
     assert r.stats.n_drafted > 0
 
 
+@pytest.mark.slow  # a Llama of its own, two 48-token replies (test_session covers from_llama quick)
 def test_a_wrapped_llama_without_drafter_speculates(embedded_target):
     import llama_cpp
 
@@ -80,6 +82,7 @@ def test_a_wrapped_llama_without_drafter_speculates(embedded_target):
 PROMPT = "The capital of France is Paris. The capital of France is"
 
 
+@pytest.mark.slow  # 160 seeded generations
 def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
     """Block 2: the token after the first is always a lookup draft (slot 1 of the first cycle) when the first token repeats the prompt's."""
     params = SamplingParams(temperature=1.0)

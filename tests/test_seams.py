@@ -260,10 +260,11 @@ def test_reset_from_another_thread_respects_the_running_generation(dflash_gguf_p
 
         t = threading.Thread(target=reset)
         t.start()
-        t.join(timeout=1.0)
         if wait:
+            t.join(timeout=1.0)  # cannot end while this thread holds the stream open: a slow machine only waits
             assert t.is_alive() and not errors  # waiting for the stream
         else:
+            t.join(timeout=60)  # refused at once, however loaded the machine
             assert not t.is_alive() and isinstance(errors[0], SessionBusyError)
         got += [tok for step in stream for tok in step.tokens]
         t.join(timeout=30)
@@ -274,15 +275,31 @@ def test_reset_from_another_thread_respects_the_running_generation(dflash_gguf_p
 
 def test_a_generation_cut_short_by_close_raises(dflash_gguf_path):
     """generate() whose Session is closed from another thread mid-way raises instead of returning a
-    truncated text that looks finished."""
+    truncated text that looks finished. The Session's own steps are held after the first one until close()
+    has returned, so the generation is mid-way however fast the machine (not by a long reply)."""
     s = Session(drafter=dflash_gguf_path, n_ctx=512, n_batch=64, n_threads=1)
+    first_step, closed = threading.Event(), threading.Event()
+    steps = s._steps
+
+    def held(*args, **kwargs):
+        it = steps(*args, **kwargs)
+        step = next(it)
+        assert step.finish_reason is None  # the generation has more to do
+        yield step
+        first_step.set()
+        closed.wait()
+        yield from it
+
+    s._steps = held
     outcome: list[object] = []
     t = threading.Thread(target=lambda: outcome.append(pytest.raises(SessionClosedError, s.generate, PROMPT,
-                                                                     max_tokens=400, speculative=False)))
+                                                                     max_tokens=32, speculative=False)))
     t.start()
-    while s._generation_thread is None and t.is_alive():
-        threading.Event().wait(0.01)
-    s.close()
+    try:
+        assert first_step.wait(timeout=120)
+        s.close()
+    finally:
+        closed.set()
     t.join(timeout=60)
     assert not t.is_alive() and len(outcome) == 1
 

@@ -271,6 +271,7 @@ def test_stop_on_the_openai_routes_cuts_the_reply_there(oai, ref):
     assert done.choices[0].text == full[: full.index(word)] and done.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow  # several seeded sampled replies on the tight server
 def test_a_seed_reproduces_a_sampled_reply(tight_url, ref):
     """With a fixed block size the draft schedule is fixed, so a seed fixes the reply: the same twice over
     HTTP, and the same as Session.chat with that seed (docs/SERVER.md says why adaptive blocks differ)."""
@@ -313,6 +314,7 @@ def test_anthropic_stream_carries_timings_and_figures(main_url):
 
 
 # -- concurrency, cancellation, the queue --------------------------------------------------------
+@pytest.mark.slow  # eight replies on two slots, each compared with its own Session reply
 def test_eight_concurrent_clients_on_two_slots(oai, ref):
     questions = [f"Count from {i} to {i + 5}." for i in range(8)]
     wants = [reference_chat(ref, ask(q)).text for q in questions]
@@ -490,6 +492,7 @@ def test_follow_up_turns_land_on_the_slot_that_holds_their_prefix(main_url):
         assert timings["cache_n"] > 40  # the whole first turn, not only the template's system prefix
 
 
+@pytest.mark.slow  # a server of its own and a conversation of follow-up turns
 def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(base):
     """Both slots busy, two follow-ups queued (B's first): when A's slot frees it goes to A's follow-up,
     not to the queue's head, whose conversation lives on the other slot; B's gets B's slot after.

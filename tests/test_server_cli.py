@@ -64,6 +64,7 @@ COPY = (
 )
 
 
+@pytest.mark.slow  # dflash-serve in a fresh process, a stream and a queued request
 @pytest.mark.parametrize("sig, flags", [
     (signal.SIGTERM, ["--host", "0.0.0.0"]),
     (signal.SIGINT, ["--lookup", "--block-size", "8"]),  # fixed: adaptive lookup drafts only where it pays here

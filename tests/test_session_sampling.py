@@ -15,6 +15,8 @@ from chi_square import chi_square_p_value
 from dflash_gguf import SamplingParams, Session, Target
 from dflash_gguf.sampling import probabilities
 
+pytestmark = pytest.mark.slow  # hundreds of seeded generations for each chi-square test
+
 PROMPT = "The capital of France is"
 ALPHA = 1e-3
 

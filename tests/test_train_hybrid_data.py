@@ -20,6 +20,8 @@ from dflash_gguf.train.pipeline import run
 
 from hybrid_fixtures import HIDDEN
 
+pytestmark = pytest.mark.slow  # data capture on the hybrid targets, which upstream's converter builds first
+
 PROMPTS = [
     ("m0", "math", "What is 12 times 7?"),
     ("m1", "math", "Tom has 3 apples and buys 5 more."),

@@ -19,6 +19,8 @@ from dflash_gguf.train.errors import TrainError
 from dflash_gguf.train.pipeline import load_data, run
 from dflash_gguf.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # tiny training runs of every drafter kind, converted and run in the Session
+
 PROMPTS = [
     ("m0", "math", "What is 12 times 7?"),
     ("m1", "math", "Tom has 3 apples and buys 5 more. How many apples does he have?"),

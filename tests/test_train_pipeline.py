@@ -25,6 +25,8 @@ from dflash_gguf.train.config import TrainConfig
 from dflash_gguf.train.pipeline import load_data, run
 from dflash_gguf.train.trainer import STATE_FILE, Trainer
 
+pytestmark = pytest.mark.slow  # a tiny dflash-train run end to end
+
 PROMPTS = [
     ("m0", "math", "What is 12 times 7?"),
     ("m1", "math", "Tom has 3 apples and buys 5 more. How many apples does he have?"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -189,16 +190,34 @@ def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> 
     run_app(app, scenario)
 
 
-def test_reply_streams_live_and_escape_keeps_the_partial_reply(session) -> None:
+def test_reply_streams_live_and_escape_keeps_the_partial_reply(session, monkeypatch) -> None:
     app = ChatApp(session, options(max_tokens=200))
+    release = threading.Event()
+    stream_chat = session.stream_chat
+
+    def held_after_some_text(*args, **kwargs):
+        """The Session's own reply, held once it has shown some text until Esc was pressed: mid-reply
+        however fast the machine, not by the reply's length."""
+        text = ""
+        for step in stream_chat(*args, **kwargs):
+            yield step
+            text += step.text
+            if len(text) > 8 and not release.is_set():
+                release.wait()
+
+    monkeypatch.setattr(session, "stream_chat", held_after_some_text)
 
     async def scenario(pilot: Pilot) -> None:
         await send(pilot, LONG_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
-        # mid-reply: the tokens and the stats panel are already live
-        assert app.busy and not app.reply.widget.finished
-        assert number(figures(app)["cycles"]) >= 1 and number(figures(app)["drafted"]) >= 3
-        await pilot.press("escape")
+        try:
+            await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8,
+                           "streamed text")
+            # mid-reply: the tokens and the stats panel are already live
+            assert app.busy and not app.reply.widget.finished
+            assert number(figures(app)["cycles"]) >= 1 and number(figures(app)["drafted"]) >= 3
+            await pilot.press("escape")
+        finally:
+            release.set()
         await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
         [reply] = replies(app)
         partial = shown_markdown(reply)
@@ -281,6 +300,7 @@ def compare_rows(app: ChatApp) -> dict[str, str]:
     return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
 
 
+@pytest.mark.slow  # a 240-token reply and its 240-token compare run
 def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(session) -> None:
     """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing."""
     app = ChatApp(session, options(max_tokens=240))
@@ -309,6 +329,7 @@ def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(s
     assert during and during[-1]["speedup"] != NOT_MEASURED, "enough plain cycles for a figure"
 
 
+@pytest.mark.slow  # calibration, then a 200-token adaptive reply
 def test_an_adaptive_reply_that_chose_plain_reads_one_within_its_probes_or_not_measured(session) -> None:
     """A speculative reply whose controller kept to plain decoding (the random-weight drafter never pays),
     with the probe drafts it tries now and then: its own plain cycles are its baseline, and the figure is
@@ -346,6 +367,7 @@ COPY_PROMPT = (
 )
 
 
+@pytest.mark.slow  # its own Session with lookup and the drafter, a 48-token reply
 def test_lookup_next_to_the_drafter_colours_copied_tokens_and_counts_them(dflash_gguf_path) -> None:
     """--lookup: n-gram lookup drafts next to the drafter; a copy-heavy reply shows lookup's own colour and
     its acceptance in the stats panel."""
@@ -372,6 +394,7 @@ def test_lookup_next_to_the_drafter_colours_copied_tokens_and_counts_them(dflash
         run_app(app, scenario)
 
 
+@pytest.mark.slow  # builds and converts a DSpark drafter first
 def test_a_dspark_drafter_is_named_and_its_confidence_head_set_against_acceptance(dspark) -> None:
     """The panel names the drafter's kind, and for a DSpark confidence head shows the mean predicted
     confidence against the observed acceptance: dflash_gguf.stats' Calibration, the Session's own figure."""
@@ -529,6 +552,7 @@ def test_the_embedded_defaults_draft_in_the_chat() -> None:
         run_app(app, scenario)
 
 
+@pytest.mark.slow  # a worker process, calibration, four 64-token adaptive replies
 def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> None:
     """The embedded pair, adaptive: the same generation headless and inside the app on the default worker
     (a ProcessWorker), one after the other.

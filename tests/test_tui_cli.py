@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every case runs dflash-chat in a fresh process
+
 
 def run_chat(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -23,6 +23,8 @@ from test_tui_app import (
     shown_markdown, wait_for,
 )
 
+pytestmark = pytest.mark.slow  # spawns the worker process and generates long replies through it
+
 
 @pytest.fixture(scope="module")
 def spec(dflash_gguf_path) -> SessionSpec:
