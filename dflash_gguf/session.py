@@ -213,13 +213,16 @@ class Session:
         if lookup if lookup is not None else drafter is None:
             self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
             self._sources.append(self._lookup)
+        _check_names(s.name for s in self._sources)
         if drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
             self._native_source = NativeDrafterSource(self.drafter)
             self._sources.append(self._native_source)
-        names = [s.name for s in self._sources]
-        if len(set(names)) < len(names):
-            raise ValueError(f"draft source names must differ, got {names}")
+            try:
+                _check_names(s.name for s in self._sources)
+            except ValueError:
+                self.drafter.close()
+                raise
 
     # -- generation ------------------------------------------------------------------------
     def stream(
@@ -576,6 +579,13 @@ def _check_sources(sources: Any) -> list[DraftSource]:
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise ValueError(f"draft source {s.name!r}: max_draft must be an integer >= 1, got {m!r}")
     return list(sources)
+
+
+def _check_names(names: Iterator[str]) -> None:
+    """Sources are told apart by name (stats, Steps, the policy): two with one name are refused."""
+    names = list(names)
+    if len(set(names)) < len(names):
+        raise ValueError(f"draft source names must differ, got {names}")
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import pytest
 
 from dflash_gguf import SamplingParams, Session, StepKind
 from dflash_gguf.controller import AdaptivePolicy, BlockController, CostModel
+from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.sources import Candidate, Commit, DraftSource, Offer
 
 PROMPT = "The capital of France is"
@@ -146,12 +147,25 @@ def test_the_policy_chooses_a_new_source_when_it_pays_among_any_number_of_peers(
     assert choice.source == "continuation" and choice.n_draft == 8 and choice.kind is StepKind.DRAFT
 
 
+def _named(name: str) -> Continuation:
+    toy = Continuation(1, [1, 2, 3])
+    toy.name = name
+    return toy
+
+
 def test_bad_sources_are_refused(embedded_target, plain_reply):
     prompt, reply = plain_reply
     with pytest.raises(TypeError, match="DraftSource"):
         Session(embedded_target, n_ctx=256, n_threads=1, sources=["lookup"])
-    with pytest.raises(ValueError, match="names must differ"):
-        Session(embedded_target, n_ctx=256, n_threads=1, sources=[Continuation(1, reply), Continuation(1, reply)])
+    with pytest.raises(TypeError, match="list of DraftSource"):
+        Session(embedded_target, n_ctx=256, n_threads=1, sources=_named("one"))
+    for names, drafter in ((["a", "a"], None), (["lookup"], None), (["dflash"], embedded_drafter())):
+        with pytest.raises(ValueError, match="names must differ"):
+            Session(embedded_target, drafter, n_ctx=256, n_threads=1, sources=[_named(n) for n in names])
+    bad = _named("zero")
+    bad.max_draft = 0
+    with pytest.raises(ValueError, match="max_draft"):
+        Session(embedded_target, n_ctx=256, n_threads=1, sources=[bad])
     with Session(embedded_target, n_ctx=256, n_threads=1, sources=[Continuation(len(prompt), reply)]) as s:
         with pytest.raises(ValueError, match="fork"):
             s.fork()
