@@ -1,34 +1,32 @@
-"""Per-cycle choice of how many draft tokens to verify, from measured costs and observed acceptance.
+"""Per-cycle choice of which source drafts and how many tokens to verify, from measured costs and acceptance.
 
 Speculation only pays where the tokens a cycle is expected to commit outweigh what that cycle costs on
-this machine. The controller compares every candidate block against plain decoding each cycle, steps
-aside when drafts do not pay, probes now and then so it can come back, and says why it chose what it did.
+this machine. Every source offers what it expects its drafts to commit; one policy prices each offer with
+the measured costs, compares the best against plain decoding each cycle, and says why it chose what it
+did. A source with a BlockController steps aside when its drafts do not pay and probes now and then so it
+can come back. Pure: the timings come from the loop and from `timing` (start-up calibration).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
 if TYPE_CHECKING:
-    from .drafter import Drafter
-    from .memory import TargetMemory
-    from .sources import Candidate
-    from .target import Target
+    from .sources import Candidate, Offer
 
 TimingKind = Literal["draft", "verify", "plain", "rollback"]
 
 # an outlier sample (another process took the core) moves an estimate by at most this factor per update
 _MAX_SAMPLE_RATIO = 2.0
 _MIN_ROLLBACK_S = 1e-7  # a cycle that rolled nothing back still enters the rollback table's mean
+CHEAP_DRAFT_S = 2e-5  # a proposal that runs no model (a dictionary read and a list copy): tens of microseconds
 
 
 class CostTable:
@@ -269,7 +267,7 @@ class BlockController:
         Set aside, the profile drifts back towards the prior as evidence fades, so its best rate can look
         better than plain decoding long before a probe confirms it: a rival source must not yield to that.
         """
-        if self.adaptive and self._aside:  # the cheap answer first: LookupPolicy asks every cycle
+        if self.adaptive and self._aside:  # the cheap answer first: AdaptivePolicy asks every cycle with rivals
             return None
         expected = self.expected_tokens()
         if not self.adaptive:
@@ -348,8 +346,8 @@ class Policy(ABC):
     confidence_threshold: float | None = None
 
     @abstractmethod
-    def choose(self, offers: Mapping[str, int]) -> Choice:
-        """offers: source name -> how many tokens it can propose now (sources with 0 are left out)."""
+    def choose(self, offers: Sequence["Offer"]) -> Choice:
+        """offers: what each source can propose now, in the Session's order (sources with nothing are left out)."""
 
     def verify_length(self, candidate: "Candidate") -> int:
         """How many of a proposal's drafts to verify (0: decode plainly instead)."""
@@ -383,7 +381,7 @@ class PlainPolicy(Policy):
     def __init__(self, reason: str = PLAIN_CHOICE_REASON) -> None:
         self._choice = Choice(None, 0, StepKind.PLAIN, reason)
 
-    def choose(self, offers: Mapping[str, int]) -> Choice:
+    def choose(self, offers: Sequence["Offer"]) -> Choice:
         return self._choice
 
 
@@ -397,282 +395,111 @@ class FixedPolicy(Policy):
         self.drafts = dict(drafts or {})
         self.confidence_threshold = confidence_threshold
 
-    def choose(self, offers: Mapping[str, int]) -> Choice:
-        for source, n in offers.items():
-            n = min(n, self.drafts.get(source, self.block_size - 1))
+    def choose(self, offers: Sequence["Offer"]) -> Choice:
+        for offer in offers:
+            n = min(offer.n_max, self.drafts.get(offer.source, self.block_size - 1))
             if n > 0:
-                return Choice(source, n, StepKind.DRAFT, f"fixed block {self.block_size}")
+                return Choice(offer.source, n, StepKind.DRAFT, f"fixed block {self.block_size}")
         return Choice(None, 0, StepKind.PLAIN, f"fixed block {self.block_size}: no draft offered")
 
 
 class AdaptivePolicy(Policy):
-    """One source under a BlockController: the block size that maximises expected tokens per second."""
+    """Each cycle, the offer expected to commit most tokens per second under the measured costs, or plain decoding.
 
-    def __init__(self, source: str, controller: BlockController, *, confidence_threshold: float | None = None) -> None:
-        self.source = source
-        self.controller = controller
+    An offer's expected tokens per length are priced as one verify of n + 1 tokens (the shared cost model)
+    plus the source's own draft pass (learnt per source from the cycles it drafts; a source under a
+    BlockController is priced by its controller, with the same verify costs). A source under a controller
+    bids its controller's drafting_rate(), None while set aside, so a profile faded back to its prior but
+    not confirmed by a probe never outbids a rival; it takes the cycle when its bid wins, and when no bid
+    beats plain decoding each such source decides in turn as it would alone (stay plain, or probe). Ties
+    go to the earlier offer. Any number of sources; none is special.
+    """
+
+    def __init__(self, costs: CostModel, *, confidence_threshold: float | None = None) -> None:
+        self.costs = costs
         self.confidence_threshold = confidence_threshold
+        self._controllers: dict[str, BlockController] = {}  # sources that drafted under a controller, by name
+        self._drafts: dict[str, CostTable] = {}  # draft-pass seconds per block, sources without a controller
         self._plain = Choice(None, 0, StepKind.PLAIN, "")  # the last plain choice, reused while its reason holds
-
-    def verify_length(self, candidate: "Candidate") -> int:
-        return _best_verify_length(candidate, self.controller.costs, self.confidence_threshold)
-
-    def choose(self, offers: Mapping[str, int]) -> Choice:
-        offered = offers.get(self.source, 0)
-        block = self.controller.choose()
-        n = min(block.n_draft, offered)
-        if n == 0:
-            if self._plain.reason is not block.reason:
-                self._plain = Choice(None, 0, StepKind.PLAIN, block.reason)
-            return self._plain
-        return Choice(self.source, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
-
-    def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
-        c = self.controller
-        c.observe_timing("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
-        if choice.n_draft:  # a plain cycle tells the acceptance profile nothing
-            c.observe(choice.n_draft, n_accepted)
-            c.observe_timing("draft", timing.block_tokens, timing.draft_s)
-            c.observe_timing("rollback", timing.block_tokens, timing.rollback_s)
-
-
-CALIBRATION_SIZES = (1, 2, 4, 8, 16)
-MIN_SWEEPS = 2  # the fastest of two: one stalled sample (another process took the core) does not decide
-
-
-def calibrate(
-    target: Target,
-    drafter: Drafter,
-    *,
-    memory: TargetMemory | None = None,
-    max_block: int | None = None,
-    budget_s: float = 0.4,
-    smoothing: float = 0.2,
-) -> CostModel:
-    """Measure target batches and draft passes on this machine at start-up, in about `budget_s` seconds.
-
-    Target batches of 1..block tokens (every row outputs logits, as verification needs) and draft passes
-    of the smallest and the full block (plus a one-row feature injection, as every cycle has) run beyond
-    the cached positions, and `memory` rolls each back as a rejected verify would be, so positions cached
-    stay as they were. After a warm-up, sweeps repeat while the budget lasts (at least two) and the
-    fastest time per size is kept: the one least disturbed by other work; a size never costs more than
-    a larger one did. Where rolling back is more than a KV truncation, its cost is measured too.
-    """
-    from .memory import KVTruncation
-
-    if budget_s <= 0.0:
-        raise ValueError(f"budget_s must be > 0, got {budget_s}")
-    memory = memory or KVTruncation(target)
-    block = min(drafter.block_size, max_block or drafter.block_size)
-    p0 = max(1, target.pos_max(0) + 1)
-    if block < 2 or p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
-        raise ValueError(f"no room to calibrate a block of {block}: {p0} positions cached, context {target.n_ctx_seq}")
-    token = max(0, target.bos_token())
-    with _timing_position(target, memory, token) as p0:
-        return _calibrate_at(p0, target, drafter, memory, block, token, budget_s, smoothing)
-
-
-@contextmanager
-def _timing_position(target: Target, memory: TargetMemory, token: int) -> Iterator[int]:
-    """The position to time batches at: after the cached ones, or after a one-token prefix on an empty
-    cache (rolling back to position 0 is a plain clear on hybrid targets, not the rollback the loop pays).
-    The prefix is a turn checkpoint for hybrid memory, so each timed batch rolls back to it; it is
-    removed afterwards."""
-    p0 = target.pos_max(0) + 1
-    if p0 > 0:
-        yield p0
-        return
-    target.decode([token], 0, logits=False)
-    memory.end_of_turn(1)
-    try:
-        yield 1
-    finally:
-        memory.truncate(0)
-
-
-def _calibrate_at(p0: int, target: Target, drafter: Drafter, memory: TargetMemory, block: int, token: int,
-                  budget_s: float, smoothing: float) -> CostModel:
-    from .timing import time_batch
-
-    sizes = sorted({n for n in CALIBRATION_SIZES if n <= block} | {block})
-    draft_sizes = sorted({2, block})
-    rollback: dict[int, float] = {}
-
-    def time_verify(n: int) -> float:
-        timing = time_batch(target, [token] * n, p0, memory)
-        rollback[n] = min(timing.rollback_s, rollback.get(n, math.inf))
-        return timing.wall_s
-
-    def time_draft(n: int) -> float:
-        memory.before_verify(p0, 1, keep_min=0)
-        target.decode([token], p0, logits=False)
-        features = target.features(1)
-        memory.keep(p0, [token], 0)
-        start = time.perf_counter()
-        drafter.inject(features, p0)
-        drafter.draft(token, p0 + 1, n - 1)
-        seconds = time.perf_counter() - start
-        drafter.remove(p0)
-        return seconds
-
-    measures: list[tuple[Callable[[int], float], dict[int, float], int]] = []
-    verify: dict[int, float] = {}
-    draft: dict[int, float] = {}
-    measures += [(time_verify, verify, n) for n in sizes]
-    measures += [(time_draft, draft, n) for n in draft_sizes]
-    deadline = time.perf_counter() + budget_s
-    time_verify(block)  # warm-up: the first calls allocate graphs and buffers
-    time_draft(block)
-    sweeps = 0
-    while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
-        for fn, table, n in measures:
-            seconds = fn(n)
-            table[n] = min(seconds, table.get(n, math.inf))
-        sweeps += 1
-    return CostModel(_non_decreasing(verify), _non_decreasing(draft), rollback=_rollback_table(memory, rollback),
-                     smoothing=smoothing)
-
-
-def _rollback_table(memory: TargetMemory, measured: dict[int, float]) -> dict[int, float] | None:
-    """Rollback costs worth pricing: none for a KV truncation (nearly free), else what was measured."""
-    from .memory import KVTruncation
-
-    return None if isinstance(memory, KVTruncation) else {n: max(s, _MIN_ROLLBACK_S) for n, s in measured.items()}
-
-
-def _non_decreasing(table: dict[int, float]) -> dict[int, float]:
-    """Each size costs at most what any larger one did: a stalled sample at a small size cannot stand."""
-    out: dict[int, float] = {}
-    smallest_above = math.inf
-    for n in sorted(table, reverse=True):
-        smallest_above = min(smallest_above, table[n])
-        out[n] = smallest_above
-    return out
-
-
-# -- lookup next to the native drafter ---------------------------------------------------------------
-
-LOOKUP_CALIBRATION_SIZES = (1, 2, 4, 8, 16, 24, 33)
-_LOOKUP_DRAFT_S = 2e-5  # a lookup proposal is a dictionary read and a list copy: tens of microseconds
-
-
-def calibrate_verify(
-    target: Target,
-    *,
-    memory: TargetMemory | None = None,
-    max_tokens: int = 33,
-    budget_s: float = 0.3,
-    smoothing: float = 0.2,
-) -> CostModel:
-    """Target batches of 1..max_tokens tokens timed as `calibrate` does, for sources that need no drafter pass.
-
-    The draft table holds lookup's own (tiny) proposal cost; the verify table is what decides lookup.
-    """
-    from .memory import KVTruncation
-    from .timing import time_batch
-
-    memory = memory or KVTruncation(target)
-    p0 = max(1, target.pos_max(0) + 1)
-    top = min(max_tokens, target.n_batch, target.n_ctx_seq - p0)
-    if top < 2:
-        raise ValueError(f"no room to calibrate: {p0 - 1} positions cached, context {target.n_ctx_seq}")
-    sizes = sorted({n for n in LOOKUP_CALIBRATION_SIZES if n <= top} | {top})
-    token = max(0, target.bos_token())
-    verify: dict[int, float] = {}
-    rollback: dict[int, float] = {}
-    with _timing_position(target, memory, token) as p0:
-        time_batch(target, [token] * top, p0, memory)  # warm-up
-        deadline = time.perf_counter() + budget_s
-        sweeps = 0
-        while sweeps < MIN_SWEEPS or time.perf_counter() < deadline:
-            for n in sizes:
-                timing = time_batch(target, [token] * n, p0, memory)
-                verify[n] = min(timing.wall_s, verify.get(n, math.inf))
-                rollback[n] = min(timing.rollback_s, rollback.get(n, math.inf))
-            sweeps += 1
-    return CostModel(_non_decreasing(verify), {1: _LOOKUP_DRAFT_S}, rollback=_rollback_table(memory, rollback),
-                     smoothing=smoothing)
-
-
-def extend_verify_costs(costs: CostModel, target: Target, *, memory: TargetMemory | None = None, max_tokens: int = 33,
-                        budget_s: float = 0.2) -> CostModel:
-    """A drafter's cost model with target batches measured up to max_tokens (lookup drafts run longer)."""
-    longer = calibrate_verify(target, memory=memory, max_tokens=max_tokens, budget_s=budget_s)
-    merged = {**longer.target.points(), **costs.target.points()}
-    out = CostModel(_non_decreasing(merged), costs.draft.points(),
-                    rollback=costs.rollback.points() if costs.rollback else None)
-    return out
-
-
-class LookupPolicy(Policy):
-    """Lookup and, where there is one, the native drafter: each cycle the candidate expected to commit most
-    tokens per second, or plain decoding.
-
-    Lookup's expected tokens come from its source (acceptance learnt per match length, for the match it
-    has now); the native drafter's from its BlockController, which keeps its own probing and back-off:
-    whenever lookup does not beat both plain decoding and the block the drafter's controller would draft
-    now, that controller decides as it would alone (a controller set aside for plain decoding does not
-    outbid lookup with a profile it has not confirmed). Both are priced with one cost model (verify cost per length).
-    """
-
-    def __init__(self, lookup, costs: CostModel | None = None, *, native: str | None = None,
-                 controller: BlockController | None = None, confidence_threshold: float | None = None) -> None:
-        if (native is None) != (controller is None):
-            raise ValueError("a native source needs its BlockController, and a controller its source name")
-        if costs is None and controller is None:
-            raise ValueError("LookupPolicy needs a cost model (or a native controller, whose costs it shares)")
-        self.lookup = lookup
-        self.native = native
-        self.controller = controller
-        self.costs = controller.costs if controller is not None else costs
-        self.confidence_threshold = confidence_threshold
-        self._lookup_draft = CostTable({1: _LOOKUP_DRAFT_S})
 
     def verify_length(self, candidate: "Candidate") -> int:
         return _best_verify_length(candidate, self.costs, self.confidence_threshold)
 
-    def _lookup_rate(self, n: int, expected: Sequence[float]) -> float:
-        return expected[n] / (self.costs.verify_s(n + 1) + self._lookup_draft.seconds(1))
-
-    def choose(self, offers: Mapping[str, int]) -> Choice:
+    def choose(self, offers: Sequence["Offer"]) -> Choice:
+        if len(offers) == 1 and offers[0].controller is not None:
+            return self._controlled(offers[0])  # no rival: what the rule below gives, priced once
         plain_rate = 1.0 / self.costs.plain_s
-        name = self.lookup.name
-        best_n, best_rate, expected = 0, plain_rate, [1.0]
-        if offers.get(name, 0) > 0:
-            expected = self.lookup.current_expected(offers[name])
-            for n in range(1, len(expected)):
-                rate = self._lookup_rate(n, expected)
-                if rate > best_rate:
-                    best_n, best_rate = n, rate
-        c = self.controller
-        native_offered = c is not None and offers.get(self.native, 0) > 0
-        if best_n and native_offered:
-            native_rate = c.drafting_rate()
-            if native_rate is not None and native_rate >= best_rate:
-                best_n = 0
-        if best_n:
-            seconds = self.costs.verify_s(best_n + 1)
-            reason = (f"lookup {best_n}: E={expected[best_n]:.1f} tok for {seconds * 1e3:.1f} ms = "
+        best, best_n, best_rate, best_expected, best_s = None, 0, plain_rate, 0.0, 0.0
+        for offer in offers:
+            c = offer.controller
+            if c is not None:
+                if c.costs is not self.costs:
+                    raise ValueError(f"{offer.source}: its controller prices verifies with another cost model")
+                rate = c.drafting_rate()
+                if rate is not None and rate > best_rate:
+                    best, best_rate = offer, rate
+            elif offer.expected is not None:
+                expected = offer.expected
+                for n in range(1, min(len(expected) - 1, offer.n_max) + 1):
+                    seconds = self.costs.verify_s(n + 1) + self._draft_s(offer.source, n + 1)
+                    rate = expected[n] / seconds
+                    if rate > best_rate:
+                        best, best_n, best_rate, best_expected, best_s = offer, n, rate, expected[n], seconds
+        if best is not None:
+            if best.controller is not None:
+                return self._controlled(best)
+            reason = (f"{best.source} {best_n}: E={best_expected:.1f} tok for {best_s * 1e3:.1f} ms = "
                       f"{best_rate:.0f} tok/s > plain {plain_rate:.0f} tok/s")
-            return Choice(name, best_n, StepKind.DRAFT, reason)
-        if native_offered:
-            block = c.choose()
-            n = min(block.n_draft, offers[self.native])
-            if n:
-                return Choice(self.native, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
-            return Choice(None, 0, StepKind.PLAIN, block.reason)
-        why = "no lookup match" if len(expected) == 1 else f"lookup does not pay (best E={max(expected[1:]):.1f} tok)"
-        return Choice(None, 0, StepKind.PLAIN, f"plain: {why}, plain {plain_rate:.0f} tok/s")
+            return Choice(best.source, best_n, StepKind.DRAFT, reason)
+        reason = None
+        for offer in offers:  # no bid pays: a source under a controller keeps its own schedule (it may probe)
+            if offer.controller is not None:
+                choice = self._controlled(offer)
+                if choice.n_draft:
+                    return choice
+                reason = choice.reason
+        if reason is None:
+            reason = f"plain: {_no_bid(offers)}, plain {plain_rate:.0f} tok/s"
+        return self._plain_choice(reason)
+
+    def _controlled(self, offer: "Offer") -> Choice:
+        """The cycle as the offer's controller decides it, cut to what the source can propose now."""
+        block = offer.controller.choose()
+        n = min(block.n_draft, offer.n_max)
+        if n == 0:
+            return self._plain_choice(block.reason)
+        self._controllers[offer.source] = offer.controller
+        return Choice(offer.source, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
+
+    def _plain_choice(self, reason: str) -> Choice:
+        if self._plain.reason is not reason:
+            self._plain = Choice(None, 0, StepKind.PLAIN, reason)
+        return self._plain
+
+    def _draft_s(self, source: str, block_tokens: int) -> float:
+        table = self._drafts.get(source)
+        return CHEAP_DRAFT_S if table is None else table.seconds(block_tokens)
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
-        c = self.controller
-        if c is not None and choice.source != self.lookup.name:
-            c.observe(choice.n_draft, n_accepted)
         self.costs.observe("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
-        if choice.n_draft:
-            self.costs.observe("rollback", timing.block_tokens, timing.rollback_s)
-            if choice.source == self.lookup.name:
-                if timing.draft_s > 0:
-                    self._lookup_draft.update(1, timing.draft_s)
-            else:
-                self.costs.observe("draft", timing.block_tokens, timing.draft_s)
+        if not choice.n_draft:  # a plain cycle tells no acceptance profile anything
+            return
+        c = self._controllers.get(choice.source)
+        if c is not None:
+            c.observe(choice.n_draft, n_accepted)
+            c.observe_timing("draft", timing.block_tokens, timing.draft_s)
+        elif timing.draft_s > 0:
+            table = self._drafts.get(choice.source)
+            if table is None:
+                self._drafts[choice.source] = table = CostTable({timing.block_tokens: CHEAP_DRAFT_S})
+            table.update(timing.block_tokens, timing.draft_s)
+        self.costs.observe("rollback", timing.block_tokens, timing.rollback_s)
+
+
+def _no_bid(offers: Sequence["Offer"]) -> str:
+    """Why no offer was worth verifying, for a plain choice's reason."""
+    priced = [o for o in offers if o.expected is not None and len(o.expected) > 1]
+    if not priced:
+        return "no source offers a draft"
+    best = max(priced, key=lambda o: max(o.expected[1:]))
+    return f"{best.source} does not pay (best E={max(best.expected[1:]):.1f} tok)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from .constraints import Constraint
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
 from .sampling import SamplingParams, probabilities, sample_token
-from .sources import Candidate, Commit, DraftSource
+from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import Step, StepKind, TokenSource
 from .target import Target
 
@@ -259,15 +259,15 @@ def _shorten(choice: Choice, n_draft: int, note: str = "") -> Choice:
     return Choice(choice.source, n_draft, choice.kind, choice.reason + note)
 
 
-def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -> Mapping[str, int]:
-    """What each source can propose now, within the room this cycle has."""
+def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -> list[Offer]:
+    """What each source offers now, within the room this cycle has (sources with nothing to propose left out)."""
     if room == 0:
-        return {}
-    offers = {}
+        return []
+    offers = []
     for s in sources:
         n = min(s.available(last, n_past), room)
         if n > 0:
-            offers[s.name] = n
+            offers.append(s.offer(last, n_past, n))
     return offers
 
 

@@ -11,7 +11,7 @@ most a fixed number of dictionary reads and token comparisons, however long the 
 both, so that tests can prove it without timing anything.
 
 The draft length is not the index's business: `LookupStats` learns, per match-length bucket, how often
-lookup drafts pass, and the controller turns that into the length that pays most on this machine.
+lookup drafts pass, and the policy turns that into the length that pays most on this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .sampling import SamplingParams
-from .sources import Candidate, Commit, DraftSource
+from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import TokenSource
 
 DEFAULT_SIZES = (2, 3, 4, 8)  # n-gram sizes indexed; queried longest first
@@ -228,7 +228,7 @@ class LookupSource(DraftSource):
     query never rescans the context. Proposals are point masses: with sampling each token is accepted
     with the target's own probability of it (q = 1 at the drafted token), which keeps the output
     distributed exactly as the target's. What passed is learnt per match length (`stats`), from the
-    commits themselves, and a policy reads `expected_tokens` to choose how far to draft.
+    commits themselves, and its `offer` says what each length is expected to commit, for the policy to price.
     """
 
     name = LOOKUP_SOURCE
@@ -265,18 +265,11 @@ class LookupSource(DraftSource):
     def available(self, last: int, n_past: int) -> int:
         return self.max_draft if self.match(last, n_past) is not None else 0
 
-    def current_expected(self, n_max: int) -> list[float]:
-        """expected_tokens for the match of the last available() query (the policy runs right after it)."""
-        if self._match is None or self._match[2] is None:
-            return [1.0]
-        return self.stats.expected_tokens(self._match[2].length, min(n_max, self.max_draft))
-
-    def expected_tokens(self, last: int, n_past: int, n_max: int) -> list[float]:
-        """Expected tokens committed by verifying n lookup tokens now, n = 0..n_max ([1.0] without a match)."""
+    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        """Expected tokens for verifying n lookup tokens now, n = 0..n_max, from what passed at this match length."""
         m = self.match(last, n_past)
-        if m is None:
-            return [1.0]
-        return self.stats.expected_tokens(m.length, min(n_max, self.max_draft))
+        expected = [1.0] if m is None else self.stats.expected_tokens(m.length, min(n_max, self.max_draft))
+        return Offer(self.name, n_max, expected)
 
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator

@@ -15,12 +15,9 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import defaults
-from .controller import (
-    AdaptivePolicy, BlockController, CostModel, FixedPolicy, LookupPolicy, Policy, calibrate, calibrate_verify,
-    extend_verify_costs,
-)
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
 from .constraints import Constraint
+from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
@@ -30,6 +27,7 @@ from .stats import GenerationStats, StatsBuilder
 from .steps import Step
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
+from .timing import calibrate, calibrate_verify, extend_verify_costs
 
 Message = Mapping[str, Any]
 
@@ -89,7 +87,9 @@ class Session:
 
     target=None uses the embedded SmolLM2 target and, with drafter=None, its embedded drafter. Without a
     drafter the Session speculates with lookup drafts (lookup=False: plain decoding, a warning says so once);
-    lookup=True puts lookup next to the drafter.
+    lookup=True puts lookup next to the drafter. sources: more draft sources (DraftSource instances, each
+    for this Session alone), peers of the drafter and lookup: every cycle each offers, and one policy
+    prices the offers with the measured costs; a fixed block drafts from the first that offers, these first.
 
     Generations on one Session are serialised: a second caller (another thread) waits until the running
     one ends, or, with wait=False, gets SessionBusyError at once. fork() gives an independent Session on
@@ -102,6 +102,8 @@ class Session:
         target: str | os.PathLike[str] | None = None,
         drafter: str | os.PathLike[str] | None = None,
         options: SessionOptions | None = None,
+        *,
+        sources: Sequence[DraftSource] = (),
         **settings: Any,
     ) -> None:
         """`options` (or the defaults) with any SessionOptions field given by name, e.g. n_ctx=2048."""
@@ -119,7 +121,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
         )
         try:
-            self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup)
+            self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources)
         except BaseException:
             tgt.close()
             raise
@@ -148,6 +150,8 @@ class Session:
 
     def fork(self) -> "Session":
         """A new Session on the same loaded target and drafter weights, with its own contexts and caches."""
+        if self._given_sources:
+            raise ValueError("fork() cannot copy caller-given draft sources (each holds one context's state)")
         with self._native:
             self._check_open()
             target = self.target.fork()
@@ -169,13 +173,14 @@ class Session:
         *,
         wait: bool,
         lookup: bool | None,
+        sources: Sequence[DraftSource] = (),
     ) -> None:
+        given = _check_sources(sources)
         self.target = target
         self.drafter: Drafter | None = None
         self.memory: TargetMemory = memory_for(target)
         self.speculative_disabled_reason: str | None = None
         self._cache = CacheState()
-        self._block_controller: BlockController | None = None
         self._warned_plain = False
         self._wait = wait
         self._closed = False
@@ -183,25 +188,34 @@ class Session:
         self._generation_thread: int | None = None
         self._native = threading.Lock()  # held while a cycle runs in C: close() waits for it
         self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
+        self._given_sources = given
         self._sources: list[DraftSource] = []
         self._lookup: LookupSource | None = None
-        self._lookup_costs: CostModel | None = None
+        self._native_source: NativeDrafterSource | None = None
+        self._costs: CostModel | None = None  # what every source is priced with, measured once
         unusable = _no_speculation_reason(target, self.memory)
         if unusable is not None:
             self.speculative_disabled_reason = unusable
-            if drafter is not None:
+            if drafter is not None or given:
                 warnings.warn(f"{unusable}: speculative decoding is off, every generation decodes plainly", stacklevel=3)
                 self._warned_plain = True  # said once, here
             if isinstance(drafter, Drafter):
                 drafter.close()
             return
+        self._sources += given
         if lookup if lookup is not None else drafter is None:
             self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
             self._sources.append(self._lookup)
-        if drafter is None:
-            return
-        self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
-        self._sources.append(NativeDrafterSource(self.drafter))
+        _check_names(s.name for s in self._sources)
+        if drafter is not None:
+            self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
+            self._native_source = NativeDrafterSource(self.drafter)
+            self._sources.append(self._native_source)
+            try:
+                _check_names(s.name for s in self._sources)
+            except ValueError:
+                self.drafter.close()
+                raise
 
     # -- generation ------------------------------------------------------------------------
     # Each method takes a GenerationConfig, or its fields by name (max_tokens=64, temperature=0.7, ...) applied
@@ -317,36 +331,41 @@ class Session:
         )
 
     def _policy(self, config: GenerationConfig) -> Policy:
-        """Fixed blocks; else the drafter's controller, with lookup competing where the Session has it."""
+        """Fixed blocks from the first source that offers; else one policy pricing every source's offer."""
         threshold = config.confidence_threshold
-        native = self._sources[-1] if self.drafter is not None else None
         if config.block_size is not None:
-            drafts = {native.name: native.drafts_in_block(config.block_size)} if native is not None else None
+            drafts = {s.name: s.drafts_in_block(config.block_size) for s in self._sources}
             return FixedPolicy(config.block_size, drafts=drafts, confidence_threshold=threshold)
-        if self._lookup is None:
-            return AdaptivePolicy(native.name, self._controller(), confidence_threshold=threshold)
-        if native is None:
-            return LookupPolicy(self._lookup, self._lookup_verify_costs())
-        controller = self._controller()
-        if max(controller.costs.target.points()) < self._lookup.max_draft + 1:
-            controller.costs = extend_verify_costs(
-                controller.costs, self.target, memory=self.memory, max_tokens=self._lookup.max_draft + 1
-            )
-        return LookupPolicy(self._lookup, native=native.name, controller=controller, confidence_threshold=threshold)
+        return AdaptivePolicy(self._verify_costs(), confidence_threshold=threshold)
 
-    def _lookup_verify_costs(self) -> CostModel:
-        """Verify costs up to lookup's longest draft, measured once (on an empty context if need be)."""
-        if self._lookup_costs is None:
-            n = self._lookup.max_draft + 1
-            if self.target.pos_max(0) + 1 + n > self.target.n_ctx_seq or self.memory.name != "kv":
-                self._forget()
-            self._lookup_costs = calibrate_verify(self.target, memory=self.memory, max_tokens=n)
-        return self._lookup_costs
+    def _verify_costs(self) -> CostModel:
+        """The cost model every source is priced with, measured once: verify batches up to the longest block
+        any source drafts, and the drafter's pass where there is one (its controller prices with the same)."""
+        if self._costs is None:
+            n = max((min(s.max_draft + 1, self.target.n_batch) for s in self._sources if s is not self._native_source),
+                    default=0)
+            if self._native_source is not None:
+                controller = self._controller()
+                if n > max(controller.costs.target.points()):
+                    self._make_room(n)
+                    controller.costs = extend_verify_costs(controller.costs, self.target, memory=self.memory, max_tokens=n)
+                self._costs = controller.costs
+            else:
+                self._make_room(n)
+                self._costs = calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+        return self._costs
+
+    def _make_room(self, n: int) -> None:
+        """Empty caches before timing batches of n tokens where the context lacks room, or where a hybrid
+        memory's turn checkpoints would see the timing batches."""
+        if self.target.pos_max(0) + 1 + n > self.target.n_ctx_seq or self.memory.name != "kv":
+            self._forget()
 
     def _controller(self) -> BlockController:
-        """One controller for the Session's life: the measured costs, the acceptance profile and its
-        probing back-off carry over between generations, so a weak drafter is not re-probed every turn."""
-        if self._block_controller is None:
+        """The drafter's controller, one for the Session's life: the measured costs, the acceptance profile
+        and its probing back-off carry over between generations, so a weak drafter is not re-probed every turn."""
+        native = self._native_source
+        if native.controller is None:
             drafter = self.drafter
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
             # the verify batch: the last token and the drafts, after a one-token prefix at most
@@ -355,8 +374,8 @@ class Session:
             # not see the timing batches, and the drafter may be behind the target (after plain generations)
             self._forget()
             costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
-            self._block_controller = BlockController(block - 1, costs)
-        return self._block_controller
+            native.controller = BlockController(block - 1, costs)
+        return native.controller
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)
@@ -498,3 +517,25 @@ def _llama_max_tokens(settings: dict[str, Any]) -> dict[str, Any]:
     if isinstance(n, int) and not isinstance(n, bool) and n <= 0:
         return {**settings, "max_tokens": None}
     return settings
+
+
+def _check_sources(sources: Any) -> list[DraftSource]:
+    """Caller-given draft sources as a list, each a DraftSource with a name and a max_draft >= 1."""
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
+        raise TypeError(f"sources must be a list of DraftSource, got {sources!r}")
+    for s in sources:
+        if not isinstance(s, DraftSource):
+            raise TypeError(f"sources must be DraftSource instances, got {s!r}")
+        if not isinstance(getattr(s, "name", None), str) or not s.name:
+            raise ValueError(f"draft source {s!r} needs a non-empty name")
+        m = getattr(s, "max_draft", None)
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"draft source {s.name!r}: max_draft must be an integer >= 1, got {m!r}")
+    return list(sources)
+
+
+def _check_names(names: Iterator[str]) -> None:
+    """Sources are told apart by name (stats, Steps, the policy): two with one name are refused."""
+    names = list(names)
+    if len(set(names)) < len(names):
+        raise ValueError(f"draft source names must differ, got {names}")

@@ -1,14 +1,16 @@
 """Draft sources behind one protocol: each offers a continuation for the next cycle and observes commits.
 
-The loop asks every source what it can offer, lets the policy pick one (source, length), has that source
-propose, verifies, and tells every source what was committed. Adding a source touches no line of the loop.
+The loop asks every source for its offer (how far it can draft now, and what it expects each length to
+commit, from what it has learnt of its own acceptance), lets the policy pick one (source, length), has
+that source propose, verifies, and tells every source what was committed. Adding a source touches no line
+of the loop, the policy or the Session: pass it in `Session(sources=[...])`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -16,6 +18,9 @@ from .drafter import Drafter
 from .sampling import SamplingParams
 from .steps import TokenSource
 from .target import FeatureRows
+
+if TYPE_CHECKING:
+    from .controller import BlockController
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,25 @@ class Commit:
     features: Callable[[FeatureRows], None] | None = None
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a source offers for the next cycle: up to n_max drafts, and what it expects of them.
+
+    expected[n]: tokens a cycle verifying n of its drafts is expected to commit, n = 0.. (the bonus
+    token included, so expected[0] == 1), from the source's own acceptance model; the policy prices each
+    length with the measured costs. None: no estimate (the source drafts only in fixed blocks).
+    controller: a source that keeps a BlockController (its acceptance profile, probing and back-off)
+    offers through it instead; the controller's block may be longer than n_max and is cut to it.
+    """
+
+    source: str
+    n_max: int
+    expected: Sequence[float] | None = None
+    controller: "BlockController | None" = None
+
+
 class DraftSource(ABC):
-    """One way of proposing tokens; `name` keys the controller's statistics and the Steps' `source`."""
+    """One way of proposing tokens; `name` keys the policy's statistics and the Steps' `source`."""
 
     name: str
     provenance: TokenSource = TokenSource.DRAFT
@@ -80,6 +102,17 @@ class DraftSource(ABC):
     @abstractmethod
     def available(self, last: int, n_past: int) -> int:
         """How many tokens it could propose after `last` at n_past, cheaply (0 = nothing now)."""
+
+    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        """Its offer after `last` at n_past, n_max >= 1 drafts at most (available() said so just before).
+
+        A source that learns how its drafts pass says what each length is expected to commit; without
+        an estimate it drafts only in fixed blocks."""
+        return Offer(self.name, n_max)
+
+    def drafts_in_block(self, block_size: int) -> int:
+        """Drafts a fixed block of block_size holds: all but the last committed token's slot."""
+        return block_size - 1
 
     @abstractmethod
     def propose(
@@ -99,7 +132,8 @@ class NativeDrafterSource(DraftSource):
     """The libllama drafter (DFlash, DFlash2, DSpark) as a draft source.
 
     Committed rows' features are kept and injected in one batch before the next draft, so cycles that
-    the controller keeps plain pay no drafter call at all.
+    the controller keeps plain pay no drafter call at all. Its acceptance model is `controller` (set once
+    its costs are measured), which the policy feeds with the outcome of every block it drafts.
     """
 
     needs_features = True
@@ -108,6 +142,8 @@ class NativeDrafterSource(DraftSource):
         self.drafter = drafter
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
+        self.controller: BlockController | None = None
+        self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
 
@@ -122,6 +158,11 @@ class NativeDrafterSource(DraftSource):
 
     def available(self, last: int, n_past: int) -> int:
         return self.max_draft
+
+    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        if self._offer.n_max != n_max or self._offer.controller is not self.controller:
+            self._offer = Offer(self.name, n_max, controller=self.controller)
+        return self._offer
 
     def drafts_in_block(self, block_size: int) -> int:
         """Drafts a block of block_size holds: all of it for anchor-first DSpark, else all but the last token's slot."""

@@ -37,7 +37,7 @@ def test_calibration_rolls_back_with_the_loops_mechanism(hybrid_models, arch, me
 @pytest.mark.slow  # on the hybrid targets, which upstream's converter builds first
 def test_lookup_calibration_on_a_hybrid_target_prices_its_rollback(hybrid_models):
     with Session(hybrid_models.target("qwen35"), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as s:
-        costs = s._lookup_verify_costs()
+        costs = s._verify_costs()
         assert costs.rollback is not None and max(costs.rollback.points()) == s._lookup.max_draft + 1
         assert s.memory.rollbacks["checkpoint"] > 0  # lookup alone: no snapshots, as upstream sizes n_rs_seq
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_gguf import Session
-from dflash_gguf.controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy
+from dflash_gguf.controller import AdaptivePolicy, CostModel, FixedPolicy
 from dflash_gguf.sources import Candidate
 from test_dspark import BLOCK, PROMPTS, plain_texts  # noqa: F401 - the fixture, shared
 
@@ -75,9 +75,9 @@ def test_the_adaptive_cut_follows_the_cost_curve():
     conf = [0.9, 0.8, 0.6, 0.2, 0.05]
     flat = CostModel({1: 1.0, 2: 1.02, 4: 1.04, 8: 1.08}, {2: 0.1})
     steep = CostModel({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, {2: 0.1})
-    assert AdaptivePolicy("dspark", BlockController(5, flat)).verify_length(_candidate(conf)) == 4
-    assert AdaptivePolicy("dspark", BlockController(5, steep)).verify_length(_candidate(conf)) == 0
-    threshold = AdaptivePolicy("dspark", BlockController(5, flat), confidence_threshold=0.5)
+    assert AdaptivePolicy(flat).verify_length(_candidate(conf)) == 4
+    assert AdaptivePolicy(steep).verify_length(_candidate(conf)) == 0
+    threshold = AdaptivePolicy(flat, confidence_threshold=0.5)
     assert threshold.verify_length(_candidate(conf)) == 3
     assert FixedPolicy(6, confidence_threshold=0.7).verify_length(_candidate(conf)) == 2
     assert FixedPolicy(6).verify_length(_candidate(conf)) == 5

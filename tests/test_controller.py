@@ -187,9 +187,9 @@ def test_cost_table_interpolates_and_smooths() -> None:
 
 @pytest.mark.slow  # times verify batches of every size, target and drafter
 def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, dflash_gguf_path) -> None:
-    from dflash_gguf.controller import calibrate
     from dflash_gguf.drafter import Drafter
     from dflash_gguf.target import Target
+    from dflash_gguf.timing import calibrate
 
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as target:
         with Drafter(dflash_gguf_path, target) as drafter:
@@ -229,13 +229,13 @@ def test_probes_are_cheap_and_grow_while_they_pass() -> None:
 
 
 def test_calibration_tables_are_non_decreasing() -> None:
-    from dflash_gguf.controller import _non_decreasing
+    from dflash_gguf.timing import _non_decreasing
 
     # a stalled 1-token sample (2 s) cannot make plain decoding look slower than a 16-token batch
     assert _non_decreasing({1: 2.0, 2: 0.015, 4: 0.03, 16: 0.02}) == {1: 0.015, 2: 0.015, 4: 0.02, 16: 0.02}
 
 
-# -- lookup next to the drafter (LookupPolicy) ------------------------------------------------------
+# -- lookup among other sources (AdaptivePolicy) ---------------------------------------------------
 
 
 def _lookup_with_a_match(accepted_fraction: float):
@@ -251,7 +251,7 @@ def _lookup_with_a_match(accepted_fraction: float):
     for _ in range(40):
         m = source.match(last, n_past)
         source.stats.observe(m.length, 8, round(8 * accepted_fraction))
-    return source, last, n_past
+    return source.offer(last, n_past, source.available(last, n_past))
 
 
 FLAT = {1: 0.010, 2: 0.0101, 4: 0.0102, 8: 0.0104, 16: 0.0108}  # a GPU-like verify cost curve
@@ -259,41 +259,41 @@ MID = {1: 0.010, 2: 0.0125, 4: 0.016, 8: 0.024, 16: 0.0425}  # Q8_0 at two threa
 STEEP = {1: 0.010, 2: 0.020, 4: 0.040, 8: 0.080, 16: 0.160}  # n tokens cost n steps
 
 
-def test_lookup_policy_drafts_where_the_match_pays_for_its_verify() -> None:
-    from dflash_gguf.controller import LookupPolicy
+def test_lookup_drafts_where_the_match_pays_for_its_verify() -> None:
+    from dflash_gguf.controller import AdaptivePolicy
 
-    source, last, n_past = _lookup_with_a_match(1.0)
-    offers = {"lookup": source.available(last, n_past)}
-    choice = LookupPolicy(source, CostModel(MID, {1: 1e-5})).choose(offers)
+    offer = _lookup_with_a_match(1.0)
+    choice = AdaptivePolicy(CostModel(MID, {1: 1e-5})).choose([offer])
     assert choice.source == "lookup" and choice.n_draft == 8
-    assert LookupPolicy(source, CostModel(STEEP, {1: 1e-5})).choose(offers).n_draft == 0  # never pays there
-    unreliable, last, n_past = _lookup_with_a_match(0.0)
-    offers = {"lookup": unreliable.available(last, n_past)}
-    assert LookupPolicy(unreliable, CostModel(MID, {1: 1e-5})).choose(offers).n_draft == 0
-    assert LookupPolicy(unreliable, CostModel(FLAT, {1: 1e-5})).choose(offers).n_draft > 0  # on a GPU a draft is free
+    assert AdaptivePolicy(CostModel(STEEP, {1: 1e-5})).choose([offer]).n_draft == 0  # never pays there
+    unreliable = _lookup_with_a_match(0.0)
+    assert AdaptivePolicy(CostModel(MID, {1: 1e-5})).choose([unreliable]).n_draft == 0
+    assert AdaptivePolicy(CostModel(FLAT, {1: 1e-5})).choose([unreliable]).n_draft > 0  # on a GPU a draft is free
 
 
-def test_lookup_policy_leaves_the_cycle_to_a_better_drafter() -> None:
-    from dflash_gguf.controller import LookupPolicy
+def test_lookup_leaves_the_cycle_to_a_better_drafter() -> None:
+    from dflash_gguf.controller import AdaptivePolicy
+    from dflash_gguf.sources import Offer
 
-    source, last, n_past = _lookup_with_a_match(0.5)
+    lookup = _lookup_with_a_match(0.5)
     model = CostModel(FLAT, {2: 0.001, 16: 0.002})
     drafter = BlockController(15, model)
     for _ in range(60):
         drafter.observe(15, 15)  # the drafter's blocks always pass
-    policy = LookupPolicy(source, native="dflash", controller=drafter)
-    choice = policy.choose({"lookup": source.available(last, n_past), "dflash": 15})
+    policy = AdaptivePolicy(model)
+    choice = policy.choose([lookup, Offer("dflash", 15, controller=drafter)])
     assert choice.source == "dflash" and choice.n_draft == 15
     # without the drafter on offer, the same lookup draft is worth verifying
-    assert policy.choose({"lookup": source.available(last, n_past)}).source == "lookup"
+    assert policy.choose([lookup]).source == "lookup"
 
 
-def test_lookup_policy_drafts_while_the_drafter_is_set_aside() -> None:
+def test_lookup_drafts_while_the_drafter_is_set_aside() -> None:
     """A drafter set aside for plain decoding must not outbid lookup with a profile faded back to its prior
     (on CI, lookup never drafted a copy-heavy reply: the idle drafter's faded profile always 'won')."""
-    from dflash_gguf.controller import LookupPolicy
+    from dflash_gguf.controller import AdaptivePolicy
+    from dflash_gguf.sources import Offer
 
-    source, last, n_past = _lookup_with_a_match(0.0)  # few drafts pass, but on a flat cost curve they pay
+    lookup = _lookup_with_a_match(0.0)  # few drafts pass, but on a flat cost curve they pay
     model = CostModel(FLAT, {2: 0.001, 16: 0.002})
     drafter = BlockController(15, model)
     for _ in range(20):
@@ -303,11 +303,10 @@ def test_lookup_policy_drafts_while_the_drafter_is_set_aside() -> None:
         drafter.choose()  # plain cycles: the failures fade and the profile drifts back to the prior
     expected = drafter.expected_tokens()
     faded_best = max(expected[n] / (model.draft_s(n + 1) + model.verify_s(n + 1)) for n in range(1, 16))
-    offers = {"lookup": source.available(last, n_past), "dflash": 15}
-    lookup_alone = LookupPolicy(source, model).choose({"lookup": offers["lookup"]})
+    lookup_alone = AdaptivePolicy(model).choose([lookup])
     assert lookup_alone.source == "lookup"
-    lookup_rate = source.current_expected(offers["lookup"])[lookup_alone.n_draft] / model.verify_s(lookup_alone.n_draft + 1)
+    lookup_rate = lookup.expected[lookup_alone.n_draft] / model.verify_s(lookup_alone.n_draft + 1)
     assert faded_best > lookup_rate  # the case that matters: the faded profile looks better than lookup
     assert drafter.drafting_rate() is None
-    choice = LookupPolicy(source, native="dflash", controller=drafter).choose(offers)
+    choice = AdaptivePolicy(model).choose([lookup, Offer("dflash", 15, controller=drafter)])
     assert choice.source == "lookup" and choice.n_draft == lookup_alone.n_draft
