@@ -18,6 +18,10 @@ from typing import Any, Sequence
 import llguidance
 import numpy as np
 
+from .sampling import SamplingParams
+from .sources import Candidate, Commit, DraftSource, Offer
+from .steps import TokenSource
+
 # what a GenerationConfig may carry, each compiled by llguidance's own front end
 KINDS = ("grammar", "json_schema", "regex")
 
@@ -127,3 +131,39 @@ class Constraint:
     def finished(self) -> bool:
         """The grammar admits nothing more (not even an end-of-generation token)."""
         return self._matcher.is_stopped()
+
+
+class ForcedTokenSource(DraftSource):
+    """The tokens a constraint leaves no choice about (a schema's keys and punctuation, closing brackets), as
+    drafts that cost no drafter pass. Under the mask each is the target's only admitted token, so each is
+    accepted: its offer expects every drafted token to commit. One per generation, beside the Session's own."""
+
+    name = "grammar"
+    provenance = TokenSource.GRAMMAR
+
+    def __init__(self, constraint: Constraint, max_draft: int) -> None:
+        self._constraint = constraint
+        self.max_draft = max_draft
+        self._forced: list[int] | None = None  # computed once per state: available() and propose() share it
+
+    def cached(self) -> int:
+        return 1 << 62  # it holds no positions: whatever prefix the others reuse
+
+    def truncate(self, n: int) -> None:
+        self._forced = None
+
+    def available(self, last: int, n_past: int) -> int:
+        if self._forced is None:
+            self._forced = self._constraint.forced()[: self.max_draft]
+        return len(self._forced)
+
+    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        return Offer(self.name, n_max, [float(n + 1) for n in range(n_max + 1)])
+
+    def propose(self, last: int, n_past: int, n_draft: int, params: SamplingParams,
+                rng: np.random.Generator) -> Candidate:
+        self.available(last, n_past)
+        return Candidate(self.name, np.asarray(self._forced[:n_draft], dtype=np.int64), point_mass=True)
+
+    def observe(self, commit: Commit) -> None:
+        self._forced = None  # the matcher moved on with the commit

@@ -16,7 +16,7 @@ from llama_cpp import llama_chat_format
 
 from . import defaults
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
-from .constraints import Constraint
+from .constraints import Constraint, ForcedTokenSource
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
@@ -323,10 +323,14 @@ class Session:
             )
             self._warned_plain = True
         policy = self._policy(config) if config.speculative and self._sources else None
-        spec = config.constraint
+        spec, sources = config.constraint, self._sources
         constraint = None if spec is None else Constraint(self.target.constraint_tokenizer(), spec, self.target.n_vocab)
+        if constraint is not None and policy is not None:
+            # what the grammar forces is drafted for free, first among peers (the verify costs cover this length)
+            longest = min(max(s.max_draft for s in sources), self.target.n_batch - 1)
+            sources = [ForcedTokenSource(constraint, longest), *sources]
         return decode_steps(
-            self.target, tokens, config, self._cache, memory=self.memory, sources=self._sources, policy=policy,
+            self.target, tokens, config, self._cache, memory=self.memory, sources=sources, policy=policy,
             constraint=constraint,
         )
 

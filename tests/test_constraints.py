@@ -20,6 +20,7 @@ from chi_square import chi_square_p_value
 from dflash_gguf import GenerationConfig, Session, SettingError
 from dflash_gguf.constraints import Constraint
 from dflash_gguf.sampling import SamplingParams, probabilities
+from dflash_gguf.steps import TokenSource
 
 PERSON = {
     "type": "object",
@@ -61,6 +62,17 @@ def test_speculative_schema_decoding_equals_plain_constrained_decoding(pair, pla
     assert r.tokens == plain_person.tokens
     if block_size is not None:
         assert r.stats.n_drafted > 0  # the drafter ran under the constraint, and its drafts were judged
+
+
+@pytest.mark.parametrize("block_size", [4, None], ids=["block4", "adaptive"])
+def test_what_the_schema_forces_is_drafted_for_free_and_commits(pair, plain_person, block_size):
+    """The keys and punctuation the schema fixes come from the grammar source, every one accepted."""
+    steps = list(pair.stream_chat(ASK, max_tokens=64, json_schema=PERSON, block_size=block_size))
+    assert [t for s in steps for t in s.tokens] == plain_person.tokens
+    forced = [s for s in steps if s.source == "grammar"]
+    assert forced and all(s.n_accepted == s.n_drafted for s in forced)
+    assert TokenSource.GRAMMAR in {p for s in forced for p in s.provenance}
+    assert pair.last_stats.tokens_by_provenance.get("grammar", 0) >= sum(s.n_accepted for s in forced) > 0
 
 
 def test_lookup_under_a_schema_equals_plain_constrained_decoding(lookup_only, plain_person):

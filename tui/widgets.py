@@ -31,11 +31,13 @@ LEGEND: tuple[Piece, ...] = (
     (" · ", Provenance.PLAIN),
     ("lookup", Provenance.LOOKUP),
     (" · ", Provenance.PLAIN),
+    ("grammar", Provenance.GRAMMAR),
+    (" · ", Provenance.PLAIN),
     ("bonus", Provenance.BONUS),
     (" · plain", Provenance.PLAIN),
 )
-# how the panel names a draft source (Step.source: the drafter's kind, or lookup)
-SOURCE_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "lookup": "lookup"}
+# how the panel names a draft source (Step.source: the drafter's kind, lookup, or grammar-forced tokens)
+SOURCE_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "lookup": "lookup", "grammar": "grammar"}
 COMPARE_HINT = "^g reruns the last prompt\nwithout drafts"
 
 
