@@ -29,9 +29,10 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 
 def test_builtin_suite_covers_math_code_and_chat() -> None:
     prompts = load_suite()
-    assert {p.category for p in prompts} == {"math", "code", "chat", "copy-heavy"}
+    assert {p.category for p in prompts} == {"math", "code", "chat", "copy-heavy", "json"}
     assert len({p.id for p in prompts}) == len(prompts)
-    assert [p.category for p in load_suite(limit=1)] == ["math", "code", "chat", "copy-heavy"]
+    assert [p.category for p in load_suite(limit=1)] == ["math", "code", "chat", "copy-heavy", "json"]
+    assert all(p.schema for p in load_suite(categories=["json"]))
     assert {p.category for p in load_suite(categories=["code"])} == {"code"}
     assert builtin_suite_path().is_file()
 

@@ -85,18 +85,17 @@ def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
 
 
 def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[str], repeat: int,
-                         config: BenchConfig) -> list[Generation]:
+                         config: BenchConfig, schema: dict | None = None) -> list[Generation]:
     """One generation per mode, each on its own Session, advanced one cycle at a time in turn.
 
     Modes take turns every few milliseconds, so a machine whose speed drifts (a shared or throttled CPU
     changes 10-20% between identical one-second runs) slows them alike, and their ratio keeps only what
     the modes really cost. Each mode is timed over its own turns only: TTFT, decode span; every per-cycle
     figure is a view of the stats model over the Steps it yielded, and `stats` is its Session's own.
+    A prompt's schema constrains every mode alike (plain constrained against speculative constrained).
     """
-    streams = {
-        m: iter(chat_steps(sessions[m], messages, replace(config.generation, speculative=m != "plain")))
-        for m in modes
-    }
+    base = config.generation if schema is None else replace(config.generation, json_schema=schema)
+    streams = {m: iter(chat_steps(sessions[m], messages, replace(base, speculative=m != "plain"))) for m in modes}
     steps: dict[str, list[Step]] = {m: [] for m in modes}
     spent = dict.fromkeys(modes, 0.0)
     ttft = dict.fromkeys(modes, 0.0)
@@ -236,7 +235,7 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
     for i, p in enumerate(config.prompts, 1):
         runs = [
             g for r in range(config.repeats)
-            for g in lockstep_generations(sessions, _conversation(p), _order(config.modes, r), r, config)
+            for g in lockstep_generations(sessions, _conversation(p), _order(config.modes, r), r, config, p.schema)
         ]
         results.append(PromptResult(p.id, p.category, runs))
         figures = ", ".join(

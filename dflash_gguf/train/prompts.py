@@ -22,6 +22,7 @@ class Prompt:
     category: str
     prompt: str
     source: str = ""
+    schema: dict | None = None  # a JSON schema the reply must follow (the bench's json category)
 
 
 def load_prompts(path: Path) -> list[Prompt]:
@@ -45,12 +46,16 @@ def load_prompts(path: Path) -> list[Prompt]:
                 raise TrainError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
             if not isinstance(category, str) or not category.strip():
                 raise TrainError(f"{path}:{lineno}: 'category' must be a non-empty string")
+            schema = obj.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise TrainError(f"{path}:{lineno}: 'schema' must be a JSON schema object")
             prompts.append(
                 Prompt(
                     id=str(obj.get("id", f"line-{lineno}")),
                     category=category,
                     prompt=text,
                     source=str(obj.get("source", "")),
+                    schema=schema,
                 )
             )
     if not prompts:
