@@ -600,12 +600,16 @@ class DrafterFile:
         return self.max_draft + 1
 
 
-def _drafter_file(header: GGUFHeader, fail: _Fail) -> DrafterFile:
-    """The one decision of a `dflash` GGUF's kind (by its tensors, `kinds.kind_of_tensors`) and its layout."""
+def _kind(header: GGUFHeader) -> DrafterKind:
+    """The one decision of a `dflash` GGUF's kind: by its tensors, `kinds.kind_of_tensors`."""
     try:
-        kind = kind_of_tensors(header.tensors)
+        return kind_of_tensors(header.tensors)
     except KindError as e:
         raise DrafterGGUFError(f"{header.path}: {e}") from None
+
+
+def _drafter_file(header: GGUFHeader, kind: DrafterKind, fail: _Fail) -> DrafterFile:
+    """The block layout `kind` gives this file (its keys' types are checked by `_read_keys` where it matters)."""
     block = header.value(Keys.BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
     if isinstance(block, bool) or not isinstance(block, int):
         raise fail(Keys.BLOCK_SIZE, f"{block!r} is not an integer")
@@ -628,7 +632,11 @@ def _with_header(path: str | Path, read: Callable[[GGUFHeader, _Fail], Any]) -> 
 def read_drafter(path: str | Path) -> DrafterFile | None:
     """A drafter GGUF's kind and layout from its header, unchecked (`check_drafter_gguf` checks it too);
     None for a GGUF of another architecture. DrafterGGUFError for an unreadable file."""
-    return _with_header(path, lambda header, fail: _drafter_file(header, fail) if header.value(Keys.ARCHITECTURE) == ARCH else None)
+
+    def read(header: GGUFHeader, fail: _Fail) -> DrafterFile | None:
+        return _drafter_file(header, _kind(header), fail) if header.value(Keys.ARCHITECTURE) == ARCH else None
+
+    return _with_header(path, read)
 
 
 def check_drafter_gguf(path: str | Path) -> DrafterFile | None:
@@ -645,8 +653,7 @@ def check_drafter_gguf(path: str | Path) -> DrafterFile | None:
 def _check(header: GGUFHeader, fail: _Fail) -> DrafterFile | None:
     if header.value(Keys.ARCHITECTURE) != ARCH:
         return None  # another architecture: libllama loads it as that model, and check_pairing refuses it
-    drafter = _drafter_file(header, fail)
-    kind, tensors = drafter.kind, header.tensors
+    kind, tensors = _kind(header), header.tensors
     values = _read_keys(header, kind, fail)
     h = _hparams(header, values, fail)
     for rule in (*RULES, *kind.gguf_rules):
@@ -659,4 +666,4 @@ def _check(header: GGUFHeader, fail: _Fail) -> DrafterFile | None:
         if problem:
             raise DrafterGGUFError(f"{header.path}: {problem}")
     _check_d2t(h, header, fail)
-    return drafter
+    return _drafter_file(header, kind, fail)
