@@ -86,7 +86,6 @@ SCHEMA: tuple[Key, ...] = (
 )
 
 
-
 def _type_ok(value: Any, type_: str) -> bool:
     if type_ == "int":
         return isinstance(value, int) and not isinstance(value, bool)

@@ -105,8 +105,10 @@ class ConfigKey:
     note: str = ""
 
 
-GGUFRule = Callable[[Hparams], "str | None"]
-ConfigRule = Callable[[dict[str, Any]], "str | None"]
+GGUFRule = Callable[[Hparams], str | None]
+"""A check relating a drafter GGUF's values: the problem, or None."""
+ConfigRule = Callable[[dict[str, Any]], str | None]
+"""A check relating config.json values (name -> value, defaults filled): the problem, or None."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,6 +172,7 @@ def all_kinds() -> tuple[DrafterKind, ...]:
 
 
 def kind_names() -> tuple[str, ...]:
+    """The registered kinds' names, in registration order."""
     return tuple(_REGISTRY)
 
 
