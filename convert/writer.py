@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -203,18 +204,41 @@ def atomic_output(out: Path, *, force: bool, inputs: Sequence[Path] = ()) -> Ite
         raise ConversionError(f"{out}: output exists (pass --force to overwrite)")
     if not out.parent.is_dir():
         raise ConversionError(f"{out}: output directory {out.parent} does not exist")
+    # a signal that lands between mkstemp creating the file and `tmp` being known would leave the file behind:
+    # the signals that unwind a conversion are held until the cleanup below is armed
+    held = _hold_signals()
+    tmp: Path | None = None
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    except OSError as e:
-        raise ConversionError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+        try:
+            fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        except OSError as e:
+            raise ConversionError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
+        tmp = Path(tmp_name)
+        os.close(fd)
+        _release_signals(held)  # a pending signal unwinds from here, through the finally
+        held = None
         yield tmp
         tmp.chmod(0o666 & ~_umask())  # mkstemp makes it private; the output gets the usual permissions
         os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        _release_signals(held)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+_UNWINDING_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _hold_signals() -> set[signal.Signals] | None:
+    """Block SIGINT / SIGTERM / SIGHUP for this thread; the previous mask (None where signals cannot be masked)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _UNWINDING_SIGNALS)
+
+
+def _release_signals(previous: set[signal.Signals] | None) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_drafter_gguf(
