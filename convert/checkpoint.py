@@ -15,13 +15,9 @@ import numpy as np
 from dflash_gguf.convert.config_schema import check_config, check_dspark_layout, load_config_json
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import CheckpointTensor, check_regular_file, read_safetensors_index
-from dflash_gguf.schema import (
-    DEFAULT_BLOCK_SIZE, DFLASH_ARCHITECTURES, DSPARK_ARCHITECTURES, HF_IGNORED, HF_TO_GGUF, Tensors,
-    gguf_tensor_name,
-)
+from dflash_gguf.kinds import DFLASH2, DSPARK, DrafterKind, architectures, kind_of_architecture
+from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
 
-ARCHITECTURES = {**DFLASH_ARCHITECTURES, **DSPARK_ARCHITECTURES}
-"""config.json `architectures` this converter knows -> checkpoint kind (as upstream's converter registers them)."""
 REFUSED_ARCHITECTURES = {
     "Gemma4DSparkModel": "its Gemma-4 layers (k = v attention, per-layer scales) are not the Qwen3 layers dflash-convert writes",
     "DeepseekV4DSparkModel": "its DeepSeek-V4 MTP layers (MoE, hyper-connections) are not the Qwen3 layers dflash-convert writes",
@@ -33,14 +29,13 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")  # what llama.cpp's dflash loader accepts
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass(frozen=True)
 class DraftConfig:
     """The config.json facts the GGUF needs, with z-lab's `dflash_config` overrides applied."""
 
-    kind: str  # "dflash" | "dflash2" | "dspark"
+    kind: DrafterKind  # from the architecture (kinds.kind_of_architecture)
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -96,10 +91,10 @@ def read_config(path: Path) -> DraftConfig:
 
     archs = hparams.get("architectures")
     if not isinstance(archs, list) or not archs:
-        raise ConversionError(f"{path}: config.json names no architectures (expected one of {', '.join(ARCHITECTURES)})")
+        raise ConversionError(f"{path}: config.json names no architectures (expected one of {', '.join(architectures())})")
     if not all(isinstance(a, str) for a in archs):
         raise ConversionError(f"{path}: architectures must be a list of class names, got {str(archs)[:60]}")
-    known = [a for a in archs if a in ARCHITECTURES]
+    known = [a for a in archs if kind_of_architecture(a) is not None]
     refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
     if not known and refused:
         raise ConversionError(
@@ -108,12 +103,12 @@ def read_config(path: Path) -> DraftConfig:
         )
     if not known:
         raise ConversionError(
-            f"{path}: unknown architecture {archs[0]!r} (expected one of {', '.join(ARCHITECTURES)})"
+            f"{path}: unknown architecture {archs[0]!r} (expected one of {', '.join(architectures())})"
         )
     arch = known[0]
-    kind = ARCHITECTURES[arch]
+    kind = kind_of_architecture(arch)
     sample_from_anchor = markov_rank = None
-    if kind == "dspark":
+    if kind is DSPARK:
         check_dspark_layout(hparams, path)  # the keys normalise_dspark reads, before it reads them
         hparams, sample_from_anchor, markov_rank = normalise_dspark(hparams, path)
     check_config(hparams, path, kind)  # every key's type and range, from one table (config_schema.SCHEMA)
@@ -154,16 +149,8 @@ def read_config(path: Path) -> DraftConfig:
             raise ConversionError(f"{path}: draft_vocab_size {draft_vocab} exceeds vocab_size {vocab}")
         if draft_vocab == vocab:
             draft_vocab = None
-        elif kind == "dflash2":
-            raise ConversionError(f"{path}: a reduced draft vocabulary is not supported for DFlash2 (its selector spans the full vocabulary)")
-
-    if kind == "dflash2":
-        values = {k: _int(hparams, k, path) for k in DFLASH2_KEYS}
-        if hidden % values["conv_group_size"]:
-            raise ConversionError(f"{path}: hidden_size {hidden} is not divisible by conv_group_size {values['conv_group_size']}")
-        top_k = values["selector_top_k"]
-        if hidden < top_k * (top_k + 1):
-            raise ConversionError(f"{path}: hidden_size {hidden} is too small for selector_top_k {top_k}")
+        elif not kind.reduced_vocab:
+            raise ConversionError(f"{path}: a reduced draft vocabulary is not supported for {kind.label} (its selector spans the full vocabulary)")
 
     return DraftConfig(
         kind=kind,
@@ -211,7 +198,7 @@ def normalise_dspark(hparams: dict[str, Any], path: Path) -> tuple[dict[str, Any
 def writes_full_vocab_head(cfg: DraftConfig) -> bool:
     """Whether a full-vocabulary output head goes into the GGUF: not for DSpark, whose upstream converter drops it
     (libllama then scores with the target's head)."""
-    return cfg.kind != "dspark" or cfg.draft_vocab_size is not None
+    return cfg.kind.full_vocab_head or cfg.draft_vocab_size is not None
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -236,7 +223,7 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         Tensors.FFN_UP: (ff, h),
         Tensors.FFN_DOWN: (h, ff),
     }
-    if cfg.kind == "dflash2":
+    if cfg.kind is DFLASH2:
         kernel = int(draft_value(cfg.hparams, "conv_kernel_size"))
         groups = h // int(draft_value(cfg.hparams, "conv_group_size"))
         rank = int(draft_value(cfg.hparams, "selector_rank"))
@@ -255,7 +242,7 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
                 Tensors.SELECTOR_HIDDEN: (rank, h),
             }
         )
-    if cfg.kind == "dspark":
+    if cfg.kind is DSPARK:
         rank = cfg.markov_rank or 0  # load_checkpoint fills it from markov_w1 when config.json does not say
         shapes[Tensors.MARKOV_W1] = (cfg.vocab_size, rank)
         shapes[Tensors.MARKOV_W2] = (cfg.draft_vocab_size or cfg.vocab_size, rank)
@@ -346,7 +333,7 @@ def load_checkpoint(src: str | Path) -> Checkpoint:
 
     if Tensors.OUTPUT in found and not writes_full_vocab_head(cfg):
         del found[Tensors.OUTPUT]  # as upstream: a full-vocabulary DSpark drafter's lm_head is not written
-    if cfg.kind == "dspark":
+    if cfg.kind is DSPARK:
         cfg = _with_markov_rank(cfg, found, directory)
     required = expected_shapes(cfg)
     for name, shape in required.items():
@@ -417,7 +404,7 @@ def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tu
     if name == Tensors.D2T:
         raise ConversionError(f"{tensor.file}: tensor {tensor.name} needs draft_vocab_size in config.json")
     optional = {Tensors.ATTN_SINKS.format(bid=b): (cfg.num_heads,) for b in range(cfg.num_layers)}
-    if cfg.kind == "dspark":
+    if cfg.kind is DSPARK:
         optional[Tensors.CONF_PROJ] = (1, cfg.hidden_size + (cfg.markov_rank or 0))
         optional[Tensors.CONF_PROJ_BIAS] = (1,)
         if name == Tensors.CONF_PROJ and tensor.shape == (1, cfg.hidden_size):

@@ -3,8 +3,8 @@
 Every key the converter reads is a row of `SCHEMA`: where it is looked up, its type, its range.
 `check_config` walks the table once, so a wrong type or an out-of-range value is one
 ConversionError naming the key and the file, never a traceback at its point of use.
-`RULES` holds the few checks that relate two keys. Adding a drafter kind's keys is adding rows
-(`kinds` limits a row to the kinds that read it).
+`RULES` holds the few checks that relate two keys. A drafter kind's own keys and rules are its
+`kinds.DrafterKind.config_keys` / `config_rules`, checked after these for a checkpoint of that kind.
 
 Where a key is looked up (`where`):
 - "top": the top level of config.json;
@@ -17,42 +17,21 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import _Duplicate, _no_constant, _no_duplicates, read_regular_text
-from dflash_gguf.schema import MARKOV_HEAD_TYPES
+from dflash_gguf.kinds import DSPARK, MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind
+from dflash_gguf.kinds import ConfigKey as Key
 
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
 F32_MAX = 3.4028234663852886e38
-MAX_LAYERS = 512
-"""LLAMA_MAX_LAYERS (src/llama-hparams.h): libllama asserts block counts above it."""
-MAX_BLOCK_SIZE = 1024
-"""A drafted block is one libllama batch; published drafters use 8 to 16."""
 MAX_CONFIG_BYTES = 16 * 2**20
 
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")  # what llama.cpp's dflash loader accepts
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True)
-class Key:
-    """One config.json key: where it is read, what it must be, and its default when absent."""
-
-    name: str
-    type: str  # "int" | "float" | "bool" | "str" | "int_list" | "str_list" | "object" | "str_or_list"
-    where: str = "top"
-    min: float | None = None
-    max: float | None = None
-    min_exclusive: bool = False
-    choices: tuple[Any, ...] | None = None
-    required: bool = False
-    kinds: tuple[str, ...] | None = None  # checkpoint kinds that read the key; None = all
-    default: Any = None
-    note: str = ""
 
 
 def _k(name: str, type: str, **kw: Any) -> Key:
@@ -104,21 +83,7 @@ SCHEMA: tuple[Key, ...] = (
     _k("swa_window_size", "int", where="dflash", min=1, max=U32_MAX),
     _k("is_causal", "bool"),
     _k("causal", "bool", where="dflash"),
-    # DFlash2
-    _k("conv_kernel_size", "int", where="draft", min=1, max=256, required=True, kinds=("dflash2",)),
-    _k("conv_group_size", "int", where="draft", min=1, max=2**20, required=True, kinds=("dflash2",)),
-    _k("selector_rank", "int", where="draft", min=1, max=2**16, required=True, kinds=("dflash2",)),
-    _k("selector_top_k", "int", where="draft", min=1, max=1024, required=True, kinds=("dflash2",)),
-    # DSpark (also checked before normalisation: DSPARK_LAYOUT)
-    _k("transformer_layer_config", "object", kinds=("dspark",), note="speculators export: the nested transformer"),
-    _k("aux_hidden_state_layer_ids", "int_list", min=1, max=MAX_LAYERS + 1, kinds=("dspark",), note="HF ids + 1"),
-    _k("sample_from_anchor", "bool", kinds=("dspark",)),
-    _k("markov_head_type", "str", where="draft", choices=MARKOV_HEAD_TYPES, default="vanilla", kinds=("dspark",),
-       note="libllama's build_dspark_markov_head computes the vanilla head only"),
-    _k("markov_rank", "int", where="draft", min=0, max=2**16, kinds=("dspark",)),
 )
-
-SCHEMA_BY_NAME: dict[str, Key] = {k.name: k for k in SCHEMA}
 
 
 def _type_ok(value: Any, type_: str) -> bool:
@@ -219,11 +184,12 @@ def lookup(hparams: dict[str, Any], key: Key) -> tuple[Any, str]:
     return hparams.get(key.name), ""
 
 
-def _applies(key: Key, kind: str | None) -> bool:
-    return key.kinds is None or kind in key.kinds
+def _rows(kind: DrafterKind | None) -> tuple[Key, ...]:
+    """The rows a checkpoint of `kind` is checked against: every kind's, then its own."""
+    return SCHEMA if kind is None else (*SCHEMA, *kind.config_keys)
 
 
-# cross-key rules: (kinds or None, predicate(values) -> message or None)
+# cross-key rules: predicate(values) -> message or None
 def _heads(v: dict[str, Any]) -> str | None:
     if v["num_attention_heads"] % v["num_key_value_heads"]:
         return f"num_attention_heads {v['num_attention_heads']} is not a multiple of num_key_value_heads {v['num_key_value_heads']}"
@@ -278,33 +244,7 @@ def _mask(v: dict[str, Any]) -> str | None:
     return None
 
 
-def _dflash2(v: dict[str, Any]) -> str | None:
-    hidden = v["hidden_size"]
-    if hidden % v["conv_group_size"]:
-        return f"hidden_size {hidden} is not divisible by conv_group_size {v['conv_group_size']}"
-    top_k = v["selector_top_k"]
-    if hidden < top_k * (top_k + 1):
-        return f"hidden_size {hidden} is too small for selector_top_k {top_k}"
-    if top_k > v["vocab_size"]:
-        return f"selector_top_k {top_k} exceeds vocab_size {v['vocab_size']}"
-    return None
-
-
-def _markov(v: dict[str, Any]) -> str | None:
-    if v.get("markov_rank") == 0:
-        return "markov_rank 0 (no Markov head) is not a DSpark drafter libllama can run; convert it as DFlash"
-    return None
-
-
-RULES: tuple[tuple[tuple[str, ...] | None, Callable[[dict[str, Any]], str | None]], ...] = (
-    (None, _heads),
-    (None, _rope_dims),
-    (None, _layers),
-    (None, _window),
-    (None, _mask),
-    (("dflash2",), _dflash2),
-    (("dspark",), _markov),
-)
+RULES: tuple[Callable[[dict[str, Any]], str | None], ...] = (_heads, _rope_dims, _layers, _window, _mask)
 
 DSPARK_LAYOUT = ("dflash_config", "sample_from_anchor", "aux_hidden_state_layer_ids", "markov_head_type", "markov_rank")
 """The keys checkpoint.normalise_dspark reads, in the nested transformer and at the top level."""
@@ -313,8 +253,9 @@ DSPARK_LAYOUT = ("dflash_config", "sample_from_anchor", "aux_hidden_state_layer_
 def check_dspark_layout(hparams: dict[str, Any], path: Path) -> None:
     """The DSpark keys, checked before normalisation reads them: `transformer_layer_config` and what it nests
     (prefixed in messages), then the merged view normalisation builds."""
-    rows = [SCHEMA_BY_NAME[name] for name in DSPARK_LAYOUT]
-    check_keys(hparams, path, [SCHEMA_BY_NAME["transformer_layer_config"], *rows])
+    by_name = {k.name: k for k in _rows(DSPARK)}
+    rows = [by_name[name] for name in DSPARK_LAYOUT]
+    check_keys(hparams, path, [by_name["transformer_layer_config"], *rows])
     nested = hparams.get("transformer_layer_config")
     if nested is not None:
         check_keys(nested, path, rows, prefix="transformer_layer_config.")
@@ -329,10 +270,8 @@ def check_keys(hparams: dict[str, Any], path: Path, keys: Sequence[Key], prefix:
             check_value(key, value, path, prefix + where)
 
 
-def _apply_rules(values: dict[str, Any], path: Path, kind: str | None) -> None:
-    for kinds, rule in RULES:
-        if kinds is not None and kind not in kinds:
-            continue
+def _apply_rules(values: dict[str, Any], path: Path, kind: DrafterKind | None) -> None:
+    for rule in RULES if kind is None else (*RULES, *kind.config_rules):
         try:
             message = rule(values)
         except (KeyError, TypeError):  # a key the rule needs is absent: reported by the caller's own required-key check
@@ -341,15 +280,13 @@ def _apply_rules(values: dict[str, Any], path: Path, kind: str | None) -> None:
             raise ConversionError(f"{path}: {message}")
 
 
-def check_config(hparams: dict[str, Any], path: Path, kind: str | None = None) -> dict[str, Any]:
+def check_config(hparams: dict[str, Any], path: Path, kind: DrafterKind | None = None) -> dict[str, Any]:
     """Check every row of SCHEMA (and RULES) against a parsed config.json; returns name -> value (defaults filled).
 
-    `kind` (e.g. "dflash2") turns on the rows of that kind; None checks the rows every kind reads.
+    `kind` (e.g. kinds.DFLASH2) adds its own rows and rules; None checks the rows every kind reads.
     """
     values: dict[str, Any] = {}
-    for key in SCHEMA:
-        if not _applies(key, kind):
-            continue
+    for key in _rows(kind):
         value, where = lookup(hparams, key)
         if value is None:
             if key.required and key.name not in _REQUIRED_ELSEWHERE:

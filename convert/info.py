@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.kinds import DSPARK, KindError, kind_named, kind_of_tensors
 from dflash_gguf.schema import ARCH, Keys, Tensors, gguf_layer_to_hf
 from dflash_gguf.target_gguf import field_value, open_gguf
 
@@ -19,7 +20,7 @@ class DrafterInfo:
 
     path: Path
     architecture: str
-    kind: str  # "dflash" | "dflash2" | "dspark"
+    kind: str  # the DrafterKind's name, decided by kinds.kind_of_tensors
     name: str | None
     n_layer: int
     n_embd: int
@@ -54,12 +55,16 @@ def drafter_info(path: str | Path) -> DrafterInfo:
     if arch != ARCH:
         raise ConversionError(f"{path}: not a DFlash drafter (general.architecture is {arch!r}, expected {ARCH!r})")
     names = {t.name for t in reader.tensors}
+    try:
+        kind = kind_of_tensors(names)
+    except KindError as e:
+        raise ConversionError(f"{path}: {e}") from None
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     model = field_value(reader, Keys.TOKENIZER_MODEL)
     return DrafterInfo(
         path=path,
         architecture=arch,
-        kind=_kind(names),
+        kind=kind.name,
         name=field_value(reader, Keys.NAME),
         n_layer=int(field_value(reader, Keys.BLOCK_COUNT) or 0),
         n_embd=int(field_value(reader, Keys.EMBEDDING_LENGTH) or 0),
@@ -76,15 +81,8 @@ def drafter_info(path: str | Path) -> DrafterInfo:
         converter_version=field_value(reader, Keys.CONVERTER_VERSION),
         markov_rank=_markov_rank(reader),
         has_confidence_head=Tensors.CONF_PROJ in names,
-        sample_from_anchor=_anchor(reader) if Tensors.MARKOV_W1 in names else None,
+        sample_from_anchor=_anchor(reader, kind.anchor_key) if kind.anchor_key else None,
     )
-
-
-def _kind(names: set[str]) -> str:
-    """As libllama decides: a Markov head makes a DSpark drafter, a selector a DFlash2 one."""
-    if Tensors.MARKOV_W1 in names:
-        return "dspark"
-    return "dflash2" if Tensors.SELECTOR_HIDDEN in names else "dflash"
 
 
 def _markov_rank(reader) -> int | None:
@@ -94,16 +92,13 @@ def _markov_rank(reader) -> int | None:
     return None
 
 
-def _anchor(reader) -> bool:
-    value = field_value(reader, Keys.SAMPLE_FROM_ANCHOR)
+def _anchor(reader, key: str) -> bool:
+    value = field_value(reader, key)
     return True if value is None else bool(value)  # libllama's default when the key is absent
 
 
-KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}
-
-
 def _dspark_rows(info: DrafterInfo) -> list[tuple[str, str]]:
-    if info.kind != "dspark":
+    if info.kind != DSPARK.name:
         return []
     layout = "anchor-first (a block of B drafts B tokens)" if info.sample_from_anchor else "bonus anchor (B - 1 drafts)"
     return [
@@ -123,7 +118,7 @@ def format_info(info: DrafterInfo) -> str:
     )
     rows = [
         ("file", str(info.path)),
-        ("architecture", f"{info.architecture} ({KIND_NAMES.get(info.kind, info.kind)})"),
+        ("architecture", f"{info.architecture} ({kind_named(info.kind).label})"),
         ("name", info.name or "-"),
         ("layers", f"{info.n_layer} x {info.n_embd} hidden"),
         ("block size", str(info.block_size) if info.block_size is not None else "not set (llama.cpp assumes 16)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from dflash_gguf.convert.checkpoint import SHARD_INDEX, Checkpoint, DraftConfig, d2t_target_ids, draft_value
 from dflash_gguf.convert.config_schema import rotary_fraction
 from dflash_gguf.convert.errors import ConversionError
+from dflash_gguf.kinds import DFLASH2, DSPARK
 from dflash_gguf.schema import ARCH, Keys, Tensors, hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo
 
@@ -100,7 +102,7 @@ def _add_metadata(
     if (value_scale := draft_value(hp, "attention_value_scale")) is not None:
         w.add_float32(Keys.VALUE_SCALE, float(value_scale))
     w.add_uint32(Keys.BLOCK_SIZE, cfg.block_size)
-    if cfg.kind == "dflash2":
+    if cfg.kind is DFLASH2:
         w.add_uint32(Keys.CONV_KERNEL_SIZE, int(draft_value(hp, "conv_kernel_size")))
         w.add_uint32(Keys.CONV_GROUP_SIZE, int(draft_value(hp, "conv_group_size")))
         w.add_uint32(Keys.SELECTOR_RANK, int(draft_value(hp, "selector_rank")))
@@ -125,7 +127,7 @@ def _add_metadata(
         causal = dflash_config.get("causal")
     if causal is not None:
         w.add_bool(Keys.CAUSAL, bool(causal))
-    if cfg.kind == "dspark":
+    if cfg.kind is DSPARK:
         w.add_bool(Keys.SAMPLE_FROM_ANCHOR, bool(cfg.sample_from_anchor))
         w.add_bool(Keys.HAS_CONFIDENCE_HEAD, Tensors.CONF_PROJ in ckpt.tensors)
 
@@ -202,18 +204,41 @@ def atomic_output(out: Path, *, force: bool, inputs: Sequence[Path] = ()) -> Ite
         raise ConversionError(f"{out}: output exists (pass --force to overwrite)")
     if not out.parent.is_dir():
         raise ConversionError(f"{out}: output directory {out.parent} does not exist")
+    # a signal that lands between mkstemp creating the file and `tmp` being known would leave the file behind:
+    # the signals that unwind a conversion are held until the cleanup below is armed
+    held = _hold_signals()
+    tmp: Path | None = None
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    except OSError as e:
-        raise ConversionError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+        try:
+            fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        except OSError as e:
+            raise ConversionError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
+        tmp = Path(tmp_name)
+        os.close(fd)
+        _release_signals(held)  # a pending signal unwinds from here, through the finally
+        held = None
         yield tmp
         tmp.chmod(0o666 & ~_umask())  # mkstemp makes it private; the output gets the usual permissions
         os.replace(tmp, out)
     finally:
-        tmp.unlink(missing_ok=True)
+        _release_signals(held)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+_UNWINDING_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _hold_signals() -> set[signal.Signals] | None:
+    """Block SIGINT / SIGTERM / SIGHUP for this thread; the previous mask (None where signals cannot be masked)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _UNWINDING_SIGNALS)
+
+
+def _release_signals(previous: set[signal.Signals] | None) -> None:
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_drafter_gguf(

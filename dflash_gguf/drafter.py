@@ -20,7 +20,8 @@ from llama_cpp import llama_cpp as capi
 from . import drafter_gguf, llama_ext
 from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
-from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys
+from .kinds import DFLASH2, DSPARK
+from .schema import ARCH, Keys
 from .target import ClosedError, NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
 
 
@@ -101,7 +102,8 @@ class Drafter(NativeResource):
     ) -> None:
         self.path = check_gguf_file(path)
         self.target = target
-        drafter_gguf.check_drafter_gguf(self.path)  # every value libllama would abort on, before it reads the file
+        # every value libllama would abort on, before it reads the file; and the drafter's kind, decided once
+        self.file = drafter_gguf.check_drafter_gguf(self.path)
         self._model = load_model(self.path, n_gpu_layers=target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers)
         self._shared = SharedModel(self._model, owned=True)
         try:
@@ -118,7 +120,7 @@ class Drafter(NativeResource):
         if target.closed:
             raise ClosedError("cannot fork a Drafter onto a closed Target")
         other = Drafter.__new__(Drafter)
-        other.path, other.target = self.path, target
+        other.path, other.target, other.file = self.path, target, self.file
         other._shared = self._shared.share()
         other._model = self._model
         try:
@@ -131,26 +133,27 @@ class Drafter(NativeResource):
     def _setup(self, n_threads: int | None) -> None:
         model, target = self._model, self.target
         self.layers = llama_ext.target_layer_ids(model)
-        self.block_size = int(meta_str(model, Keys.BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+        file = self.file  # a GGUF of another architecture (no DrafterFile) was refused by check_pairing
+        self.block_size = file.block_size
         if self.block_size < 2:
             raise PairingError(f"{self.path}: block size {self.block_size} leaves no room for a draft")
         self.causal = meta_str(model, Keys.CAUSAL) == "true"
         self.selector_top_k = int(llama_ext.model_dflash_selector_top_k(model))
-        self.is_dflash2 = self.selector_top_k > 0
+        self.is_dflash2 = file.kind is DFLASH2
+        self.is_dspark = file.kind is DSPARK
         self.n_embd = capi.llama_model_n_embd(model)
         # DSpark: a Markov head (libllama builds it when markov_w1 is present); its weights on the host too,
         # to re-condition sampled drafts on the token drawn rather than the graph's argmax
-        self.markov: MarkovHead | None = None if self.is_dflash2 else load_markov_head(self.path, self.n_embd)
-        self.is_dspark = self.markov is not None
+        self.markov: MarkovHead | None = load_markov_head(self.path, self.n_embd) if self.is_dspark else None
         self.has_confidence_head = self.is_dspark and meta_str(model, Keys.HAS_CONFIDENCE_HEAD) != "false" and (
             self.markov.conf_markov is not None
         )
         # anchor-first (DSpark default): slot 0 already predicts, so a block of B drafts B tokens;
         # the bonus-anchor layout (and DFlash) spend slot 0 on the last committed token
-        self.sample_from_anchor = self.is_dspark and meta_str(model, Keys.SAMPLE_FROM_ANCHOR) != "false"
-        self._lead = 0 if self.sample_from_anchor else 1
-        self.kind = "dflash2" if self.is_dflash2 else "dspark" if self.is_dspark else "dflash"  # source name in Steps
-        self.max_draft = self.block_size - self._lead
+        self.sample_from_anchor = file.anchor_first
+        self._lead = file.lead
+        self.kind = file.kind.name  # source name in Steps
+        self.max_draft = file.max_draft
         self.last_confidences: np.ndarray | None = None  # the last draft's per-slot confidences (DSpark head)
         self.n_vocab = target.n_vocab
         self._logit_scale = _meta_float(model, Keys.LOGIT_SCALE)

@@ -21,10 +21,10 @@ llama-cpp-python 0.3.36 (reading is all this module does; it never calls libllam
 Silent corruption is refused too: NaN or infinite scales, duplicate `d2t` ids (two draft rows
 scattered onto one target token), wrong-typed keys the Python side parses from their text.
 
-The checks are tables: `KEYS` (metadata key -> GGUF type, range, whether required, which kinds
-read it), `TENSORS` (tensor name -> GGUF shape and storage types, per kind), `KIND_MARKERS`
-(which tensor makes a drafter of which kind) and `RULES` (checks relating several values).
-Adding a drafter kind is adding rows.
+The checks are tables: `KEYS` (metadata key -> GGUF type, range, whether required), `TENSORS`
+(tensor name -> GGUF shape and storage types) and `RULES` (checks relating several values), for what
+every drafter has; each kind (`kinds.DrafterKind`) brings its own rows, and which kind a file is,
+`kinds.kind_of_tensors` decides once (`read_drafter`, `check_drafter_gguf`).
 """
 
 from __future__ import annotations
@@ -32,21 +32,20 @@ from __future__ import annotations
 import math
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import gguf
 import numpy as np
 
-from .schema import ARCH, Keys, Tensors
+from .kinds import MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind, Hparams, KindError, MetaKey, TensorSpec, kind_of_tensors
+from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys, Tensors
 
 V = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType
 
-MAX_LAYERS = 512  # LLAMA_MAX_LAYERS
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
-MAX_BLOCK_SIZE = 1024
 U32_MAX = 2**32 - 1
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh")
@@ -58,24 +57,6 @@ class DrafterGGUFError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------------------
 # metadata
-
-
-@dataclass(frozen=True)
-class MetaKey:
-    """One metadata key: its GGUF type(s), range and presence."""
-
-    key: str  # full key, `{arch}` for the architecture prefix
-    types: tuple[V, ...]  # accepted scalar types; V.ARRAY accepts an array of `array_of`
-    array_of: tuple[V, ...] = ()
-    required: bool = False
-    min: float | None = None
-    max: float | None = None
-    min_exclusive: bool = False
-    finite: bool = True  # floats: NaN / inf refused
-    choices: tuple[str, ...] | None = None
-    kinds: tuple[str, ...] | None = None  # None: every kind reads it
-    per_layer: bool = False  # an array must have block_count entries (get_key_or_arr)
-    note: str = ""
 
 
 def _a(suffix: str) -> str:
@@ -119,14 +100,6 @@ KEYS: tuple[MetaKey, ...] = (
     MetaKey(Keys.TARGET_LAYERS, (V.ARRAY,), array_of=_INT_ARRAY, required=True, note="required by load_arch_hparams"),
     MetaKey(Keys.BLOCK_SIZE, _U32, min=2, max=MAX_BLOCK_SIZE, note="a block is the last token plus >= 1 draft"),
     MetaKey(Keys.VOCAB_SIZE, _U32, min=1, max=2**31 - 1),
-    # DFlash2
-    MetaKey(Keys.CONV_KERNEL_SIZE, _U32, required=True, min=1, max=256, kinds=("dflash2",)),
-    MetaKey(Keys.CONV_GROUP_SIZE, _U32, required=True, min=1, max=2**20, kinds=("dflash2",)),
-    MetaKey(Keys.SELECTOR_RANK, _U32, required=True, min=1, max=2**16, kinds=("dflash2",)),
-    MetaKey(Keys.SELECTOR_TOP_K, _U32, required=True, min=1, max=1024, kinds=("dflash2",)),
-    # DSpark: the Markov head reads block_size with std::stoi and asserts it (GGML_ASSERT)
-    MetaKey(Keys.BLOCK_SIZE, _U32, required=True, min=1, max=MAX_BLOCK_SIZE, kinds=("dspark",)),
-    MetaKey(Keys.SAMPLE_FROM_ANCHOR, (V.BOOL,), kinds=("dspark",)),
     # tokenizer
     MetaKey(Keys.TOKENIZER_MODEL, (V.STRING,)),
     MetaKey("tokenizer.ggml.tokens", (V.ARRAY,), array_of=(V.STRING,)),
@@ -138,43 +111,6 @@ KEYS: tuple[MetaKey, ...] = (
 
 # ---------------------------------------------------------------------------------------------------------------
 # tensors
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor: its GGUF name, its shape in ggml order (ne0 first) from the hparams, its storage types."""
-
-    name: str  # `{bid}` for per-layer tensors
-    shape: Callable[["Hparams"], tuple[int, ...]]
-    required: bool = True
-    storage: str = "matrix"  # "f32": F32 only (norms, conv bases); "matrix": any ggml type; "i64": I64 only
-    kinds: tuple[str, ...] | None = None
-
-
-@dataclass
-class Hparams:
-    """The values the tensor shapes and the rules are computed from (libllama's defaults applied)."""
-
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_k: int
-    head_v: int
-    n_ff: int
-    n_rot: int
-    n_vocab: int | None  # None when neither the GGUF nor a target says it
-    n_draft: int | None  # rows of the drafter's own head: d2t's length with a reduced vocabulary, else n_vocab
-    n_targets: int
-    values: dict[str, Any] = field(default_factory=dict)  # key (arch prefix resolved) -> value
-    counts: dict[str, int] = field(default_factory=dict)  # array key -> its length (long string arrays keep only this)
-
-    def get(self, suffix: str, default: Any = None) -> Any:
-        return self.values.get(f"{ARCH}.{suffix}", default)
-
-
-def _conv_groups(h: Hparams) -> int:
-    return h.n_embd // max(1, int(h.get("conv_group_size", 1)))
 
 
 TENSORS: tuple[TensorSpec, ...] = (
@@ -201,27 +137,7 @@ TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec(Tensors.FFN_GATE, lambda h: (h.n_embd, h.n_ff)),
     TensorSpec(Tensors.FFN_UP, lambda h: (h.n_embd, h.n_ff)),
     TensorSpec(Tensors.FFN_DOWN, lambda h: (h.n_ff, h.n_embd)),
-    # DFlash2
-    TensorSpec(Tensors.ATTN_CONV_BASE, lambda h: (h.n_embd, int(h.get("conv_kernel_size")), 2), storage="f32", kinds=("dflash2",)),
-    TensorSpec(Tensors.ATTN_CONV_PROJ, lambda h: (h.n_embd, 2 * int(h.get("conv_kernel_size")) * _conv_groups(h)), kinds=("dflash2",)),
-    TensorSpec(Tensors.FFN_CONV_BASE, lambda h: (h.n_embd, int(h.get("conv_kernel_size")), 2), storage="f32", kinds=("dflash2",)),
-    TensorSpec(Tensors.FFN_CONV_PROJ, lambda h: (h.n_embd, 2 * int(h.get("conv_kernel_size")) * _conv_groups(h)), kinds=("dflash2",)),
-    TensorSpec(Tensors.SELECTOR_PREV, lambda h: (int(h.get("selector_rank")), h.n_vocab), kinds=("dflash2",)),
-    TensorSpec(Tensors.SELECTOR_NEXT, lambda h: (int(h.get("selector_rank")), h.n_vocab), kinds=("dflash2",)),
-    TensorSpec(Tensors.SELECTOR_HIDDEN, lambda h: (h.n_embd, int(h.get("selector_rank"))), kinds=("dflash2",)),
-    # DSpark (load_arch_tensors: markov_meta): {rank, n_vocab}, {rank, n_vocab_draft}, conf {n_embd + rank, 1};
-    # the rank is markov_w1's, checked across them by _check_dspark
-    TensorSpec(Tensors.MARKOV_W1, lambda h: (None, h.n_vocab), kinds=("dspark",)),
-    TensorSpec(Tensors.MARKOV_W2, lambda h: (None, h.n_draft), kinds=("dspark",)),
-    TensorSpec(Tensors.CONF_PROJ, lambda h: (None, 1), required=False, kinds=("dspark",)),
-    TensorSpec(Tensors.CONF_PROJ_BIAS, lambda h: (1,), required=False, storage="f32", kinds=("dspark",)),
 )
-
-KIND_MARKERS: tuple[tuple[str, str], ...] = (
-    ("dflash2", Tensors.SELECTOR_HIDDEN),  # load_arch_tensors: selector_meta
-    ("dspark", Tensors.MARKOV_W1),  # load_arch_tensors: markov_meta
-)
-"""(kind, tensor whose presence makes a drafter that kind), as libllama decides it. A drafter is always "dflash"."""
 
 _NORM_TYPES = (Q.F32,)
 _I64 = (Q.I64,)
@@ -445,13 +361,11 @@ def _type_name(t: V) -> str:
     return t.name
 
 
-def _read_keys(header: GGUFHeader, kinds: set[str], fail: _Fail) -> dict[str, Any]:
+def _read_keys(header: GGUFHeader, kind: DrafterKind, fail: _Fail) -> dict[str, Any]:
     values: dict[str, Any] = {}
     fields = header.fields
     n_layer = None
-    for key in KEYS:
-        if key.kinds is not None and not kinds.intersection(key.kinds):
-            continue
+    for key in (*KEYS, *kind.gguf_keys):
         name = key.key.format(arch=ARCH)
         f = fields.get(name)
         if f is None:
@@ -521,10 +435,11 @@ def _hparams(header: GGUFHeader, values: dict[str, Any], fail: _Fail) -> Hparams
         n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_k=head_k, head_v=head_v,
         n_ff=n_ff, n_rot=n_rot, n_vocab=n_vocab, n_draft=n_draft, n_targets=len(layers), values=values,
         counts={k: f.count for k, f in header.fields.items() if f.type == V.ARRAY},
+        shapes={name: tuple(int(d) for d in t.shape) for name, t in tensors.items()},
     )
 
 
-# rules relating several values: (kinds or None, check(h) -> problem or None)
+# rules relating several values: check(h) -> problem or None
 def _r_heads(h: Hparams) -> str | None:
     if h.n_head % h.n_head_kv:
         return f"head_count {h.n_head} is not a multiple of head_count_kv {h.n_head_kv} (grouped-query attention)"
@@ -596,17 +511,6 @@ def _r_vocab(h: Hparams) -> str | None:
     return None
 
 
-def _r_dflash2(h: Hparams) -> str | None:
-    group, top_k = int(h.get("conv_group_size")), int(h.get("selector_top_k"))
-    if h.n_embd % group:
-        return f"embedding_length {h.n_embd} is not divisible by conv_group_size {group}"
-    if h.n_embd < top_k * (top_k + 1):
-        return f"embedding_length {h.n_embd} is too small for selector_top_k {top_k}"
-    if h.n_vocab is not None and top_k > h.n_vocab:
-        return f"selector_top_k {top_k} exceeds the vocabulary of {h.n_vocab} (ggml_top_k asserts)"
-    return None
-
-
 def _r_window(h: Hparams) -> str | None:
     window = h.get("attention.sliding_window", 0)
     pattern = h.get("attention.sliding_window_pattern")
@@ -617,27 +521,17 @@ def _r_window(h: Hparams) -> str | None:
     return None
 
 
-RULES: tuple[tuple[tuple[str, ...] | None, Callable[[Hparams], str | None]], ...] = (
-    (None, _r_heads),
-    (None, _r_head_dims),
-    (None, _r_rope),
-    (None, _r_nextn),
-    (None, _r_experts),
-    (None, _r_target_layers),
-    (None, _r_vocab),
-    (None, _r_window),
-    (("dflash2",), _r_dflash2),
+RULES: tuple[Callable[[Hparams], str | None], ...] = (
+    _r_heads, _r_head_dims, _r_rope, _r_nextn, _r_experts, _r_target_layers, _r_vocab, _r_window,
 )
 
 
-def _check_tensors(h: Hparams, tensors: dict[str, Any], kinds: set[str], fail: _Fail) -> None:
+def _check_tensors(h: Hparams, tensors: dict[str, Any], kind: DrafterKind, fail: _Fail) -> None:
     for name, t in tensors.items():
         shape = tuple(int(d) for d in t.shape)
         if not shape or min(shape) < 1:
             raise fail(name, f"tensor shape {list(shape)} has an empty dimension (the loader asserts every dimension >= 1)")
-    for spec in TENSORS:
-        if spec.kinds is not None and not kinds.intersection(spec.kinds):
-            continue
+    for spec in (*TENSORS, *kind.gguf_tensors):
         names = [spec.name.format(bid=i) for i in range(h.n_layer)] if "{bid}" in spec.name else [spec.name]
         for name in names:
             t = tensors.get(name)
@@ -682,24 +576,52 @@ def _check_d2t(h: Hparams, header: GGUFHeader, fail: _Fail) -> None:
             raise fail(Tensors.D2T, "maps two draft rows to the same target token")
 
 
-def drafter_kinds(tensor_names: set[str]) -> set[str]:
-    """The kinds a drafter is, by KIND_MARKERS: always "dflash", plus each kind whose marker tensor it holds."""
-    return {"dflash"} | {kind for kind, marker in KIND_MARKERS if marker in tensor_names}
+@dataclass(frozen=True)
+class DrafterFile:
+    """What a drafter GGUF is, read once from its header: its kind and the block layout the kind gives it."""
+
+    path: Path
+    kind: DrafterKind
+    block_size: int  # `dflash.block_size`, llama.cpp's default when absent
+    anchor_first: bool  # slot 0 of a block predicts (DSpark's default layout); else it holds the last token
+
+    @property
+    def lead(self) -> int:
+        """Block slots before the first draft: 1 when slot 0 holds the last committed token."""
+        return 0 if self.anchor_first else 1
+
+    @property
+    def max_draft(self) -> int:
+        return self.block_size - self.lead
+
+    @property
+    def verify_tokens(self) -> int:
+        """The longest verify batch its blocks make: the last committed token and `max_draft` drafts."""
+        return self.max_draft + 1
 
 
-def check_drafter_gguf(path: str | Path) -> set[str]:
-    """Raise DrafterGGUFError (naming the file and the field) for a drafter GGUF libllama would abort on.
+def _kind(header: GGUFHeader) -> DrafterKind:
+    """The one decision of a `dflash` GGUF's kind: by its tensors, `kinds.kind_of_tensors`."""
+    try:
+        return kind_of_tensors(header.tensors)
+    except KindError as e:
+        raise DrafterGGUFError(f"{header.path}: {e}") from None
 
-    Reads metadata and the tensor table with `read_gguf_header` (memory-mapped; only `d2t`'s data is read).
-    Returns the drafter's kinds; an empty set for a GGUF of another architecture, which this does not check
-    (libllama loads it as that model; `drafter.check_pairing` refuses it, and the target-dependent facts
-    such as hidden size, vocabulary and layer ids, after the load, which is safe for them).
-    """
+
+def _drafter_file(header: GGUFHeader, kind: DrafterKind, fail: _Fail) -> DrafterFile:
+    """The block layout `kind` gives this file (its keys' types are checked by `_read_keys` where it matters)."""
+    block = header.value(Keys.BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise fail(Keys.BLOCK_SIZE, f"{block!r} is not an integer")
+    anchor = None if kind.anchor_key is None else header.value(kind.anchor_key)
+    return DrafterFile(header.path, kind, block, kind.anchor_key is not None and (anchor is None or bool(anchor)))
+
+
+def _with_header(path: str | Path, read: Callable[[GGUFHeader, _Fail], Any]) -> Any:
     path = Path(path)
-    fail = _Fail(path)
     header = read_gguf_header(path)
     try:
-        return _check(header, fail)
+        return read(header, _Fail(path))
     finally:
         try:
             header.buffer.close()
@@ -707,36 +629,41 @@ def check_drafter_gguf(path: str | Path) -> set[str]:
             pass
 
 
-def _check(header: GGUFHeader, fail: _Fail) -> set[str]:
-    path = header.path
-    tensors = header.tensors
-    kinds = drafter_kinds(set(tensors))
+def read_drafter(path: str | Path) -> DrafterFile | None:
+    """A drafter GGUF's kind and layout from its header, unchecked (`check_drafter_gguf` checks it too);
+    None for a GGUF of another architecture. DrafterGGUFError for an unreadable file."""
+
+    def read(header: GGUFHeader, fail: _Fail) -> DrafterFile | None:
+        return _drafter_file(header, _kind(header), fail) if header.value(Keys.ARCHITECTURE) == ARCH else None
+
+    return _with_header(path, read)
+
+
+def check_drafter_gguf(path: str | Path) -> DrafterFile | None:
+    """Raise DrafterGGUFError (naming the file and the field) for a drafter GGUF libllama would abort on.
+
+    Reads metadata and the tensor table with `read_gguf_header` (memory-mapped; only `d2t`'s data is read).
+    Returns what the drafter is; None for a GGUF of another architecture, which this does not check
+    (libllama loads it as that model; `drafter.check_pairing` refuses it, and the target-dependent facts
+    such as hidden size, vocabulary and layer ids, after the load, which is safe for them).
+    """
+    return _with_header(path, _check)
+
+
+def _check(header: GGUFHeader, fail: _Fail) -> DrafterFile | None:
     if header.value(Keys.ARCHITECTURE) != ARCH:
-        return set()  # another architecture: libllama loads it as that model, and check_pairing refuses it
-    values = _read_keys(header, kinds, fail)
+        return None  # another architecture: libllama loads it as that model, and check_pairing refuses it
+    kind, tensors = _kind(header), header.tensors
+    values = _read_keys(header, kind, fail)
     h = _hparams(header, values, fail)
-    for kinds_of_rule, rule in RULES:
-        if kinds_of_rule is not None and not kinds.intersection(kinds_of_rule):
-            continue
+    for rule in (*RULES, *kind.gguf_rules):
         problem = rule(h)
         if problem:
-            raise DrafterGGUFError(f"{path}: {problem}")
-    _check_tensors(h, tensors, kinds, fail)
-    if "dspark" in kinds:
-        _check_dspark(h, tensors, fail)
+            raise DrafterGGUFError(f"{header.path}: {problem}")
+    _check_tensors(h, tensors, kind, fail)
+    for rule in kind.gguf_tensor_rules:
+        problem = rule(h)
+        if problem:
+            raise DrafterGGUFError(f"{header.path}: {problem}")
     _check_d2t(h, header, fail)
-    return kinds
-
-
-def _check_dspark(h: Hparams, tensors: dict[str, Any], fail: _Fail) -> None:
-    """The Markov head's rank is markov_w1's ne0; markov_w2 and conf_proj must agree (create_tensor would throw
-    on a mismatch, but a wrong row count of a matrix read by get_rows / mul_mat is what asserts)."""
-    rank = int(tensors[Tensors.MARKOV_W1].shape[0])
-    w2 = tuple(int(d) for d in tensors[Tensors.MARKOV_W2].shape)
-    if w2[0] != rank:
-        raise fail(Tensors.MARKOV_W2, f"tensor shape {list(w2)}, markov_w1 has rank {rank}")
-    conf = tensors.get(Tensors.CONF_PROJ)
-    if conf is not None and int(conf.shape[0]) != h.n_embd + rank:
-        raise fail(Tensors.CONF_PROJ, f"tensor shape {[int(d) for d in conf.shape]}, expected [{h.n_embd + rank}, 1] (hidden + markov rank)")
-    if Tensors.CONF_PROJ_BIAS in tensors and conf is None:
-        raise fail(Tensors.CONF_PROJ_BIAS, "a confidence bias without conf_proj.weight")
+    return _drafter_file(header, kind, fail)

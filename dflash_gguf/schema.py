@@ -155,16 +155,6 @@ HF_TO_GGUF: dict[str, str] = {
     "layers.{bid}.self_attn.sinks.weight": Tensors.ATTN_SINKS,
 }
 
-# config.json `architectures` -> drafter kind, as upstream's converter registers them
-# (conversion/qwen.py DFlashModel and DSparkModel)
-DFLASH_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-DSPARK_ARCHITECTURES = {
-    "DSparkDraftModel": "dspark",
-    "Qwen3DSparkModel": "dspark",
-    "DSparkSpeculator": "dspark",  # vllm speculators export: nested transformer_layer_config, bonus-anchor block
-    "Lfm2DSparkDraftModel": "dspark",
-    "LingDSparkModel": "dspark",
-}
 MARKOV_HEAD_TYPES = ("vanilla",)
 """What libllama's build_dspark_markov_head computes: bias = W2 @ W1[prev]; gated / rnn heads are not."""
 

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Sequence
 import gguf
 import numpy as np
 
-from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, Keys, Tensors
+from dflash_gguf.drafter_gguf import read_drafter
+from dflash_gguf.schema import ARCH, Keys
 
 # llama.cpp's llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp): their memory cannot be
 # truncated to an earlier position; dflash_gguf.memory rolls them back with snapshots or checkpoints.
@@ -208,14 +209,10 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
 
 
 def drafter_verify_tokens(path: str | Path) -> int:
-    """The longest verify batch a drafter GGUF's blocks make (metadata and tensor names only), so a target
-    context can be sized for it first: `dflash.block_size`, one more for an anchor-first DSpark drafter,
-    whose slot 0 drafts too. libllama decides the kind as Drafter does: a selector makes DFlash2, else a
-    Markov head makes DSpark."""
-    reader = open_gguf(Path(path))
-    block = field_value(reader, Keys.BLOCK_SIZE)
-    block = int(block) if block is not None else DEFAULT_BLOCK_SIZE
-    dflash2 = int(field_value(reader, Keys.SELECTOR_TOP_K) or 0) > 0
-    dspark = not dflash2 and any(t.name == Tensors.MARKOV_W1 for t in reader.tensors)
-    anchor = field_value(reader, Keys.SAMPLE_FROM_ANCHOR)
-    return block + 1 if dspark and (anchor is None or bool(anchor)) else block
+    """The longest verify batch a drafter GGUF's blocks make, from its header alone, so a target context can
+    be sized for it first (`drafter_gguf.DrafterFile.verify_tokens`: the block, one more for an anchor-first
+    kind, whose slot 0 drafts too). ValueError for a file that is not a readable `dflash` drafter."""
+    drafter = read_drafter(path)
+    if drafter is None:
+        raise ValueError(f"{path}: not a dflash drafter (general.architecture is not {ARCH!r})")
+    return drafter.verify_tokens

@@ -16,6 +16,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Static
 
+from dflash_gguf.kinds import all_kinds
 from dflash_gguf.stats import Baseline, Calibration, SourceStats
 from dflash_gguf.stats import speedup as speedup_of
 from dflash_gguf.tui.provenance import Piece, Provenance
@@ -36,8 +37,6 @@ LEGEND: tuple[Piece, ...] = (
     ("bonus", Provenance.BONUS),
     (" · plain", Provenance.PLAIN),
 )
-# how the panel names a draft source (Step.source: the drafter's kind, lookup, or grammar-forced tokens)
-SOURCE_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "lookup": "lookup", "grammar": "grammar"}
 COMPARE_HINT = "^g reruns the last prompt\nwithout drafts"
 
 
@@ -283,7 +282,8 @@ class AcceptanceHistogram(Widget):
 
 
 def source_name(source: str) -> str:
-    return SOURCE_NAMES.get(source, source)
+    """How the panel names a draft source (Step.source): a drafter kind's label, else the source's own name (lookup)."""
+    return next((kind.label for kind in all_kinds() if kind.name == source), source)
 
 
 def _source_row(stats: SourceStats | None) -> str:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_parser import OneLineParser
-from .config import TrainConfig
+from ..kinds import kind_named
+from .config import KINDS, TrainConfig
 from .errors import TrainError
 
 STAGES = ("all", "data", "train", "export", "tau", "archive")
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--archive", type=Path, help="archive stage: where to write the token archive (default: OUT/tokens.npz)")
     g.add_argument("--prefill-batch", type=int, default=d.prefill_batch, help="rows per prefill decode (--from-archive)")
     g = p.add_argument_group("model")
-    g.add_argument("--kind", choices=("dflash", "dflash2", "dspark"), default=d.kind, help="drafter kind (default: dflash)")
+    g.add_argument("--kind", choices=KINDS, default=d.kind, help=f"drafter kind (default: {d.kind})")
     g.add_argument("--draft-layers", type=int, default=d.draft_layers)
     g.add_argument("--feature-layers", type=int, default=d.feature_layers, help="number of target layers read")
     g.add_argument("--target-layer-ids", type=_ints, help="HF target layer ids (layer outputs), e.g. 1,8,14,20,27")
@@ -107,7 +108,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         top_k=a.top_k, from_archive=a.from_archive, archive=a.archive, prefill_batch=a.prefill_batch,
         kind=a.kind, draft_layers=a.draft_layers, feature_layers=a.feature_layers, target_layer_ids=a.target_layer_ids,
         block_size=a.block_size, mask_token_id=a.mask_token_id,
-        draft_vocab=(None if a.kind == "dflash2" else TrainConfig.draft_vocab) if a.draft_vocab is None else (a.draft_vocab or None),
+        draft_vocab=(TrainConfig.draft_vocab if kind_named(a.kind).reduced_vocab else None) if a.draft_vocab is None else (a.draft_vocab or None),
         init_from_target=a.init_from_target, selector_rank=a.selector_rank, markov_rank=a.markov_rank, soft_labels=a.soft_labels,
         steps=a.steps, lr=a.lr, warmup=a.warmup, batch_sequences=a.batch_sequences,
         blocks_per_sequence=a.blocks, gamma=a.gamma, eval_every=a.eval_every, save_every=a.save_every,

@@ -6,9 +6,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..kinds import DFLASH, DFLASH2, DSPARK, kind_named
 from .errors import TrainError
 
-KINDS = ("dflash", "dflash2", "dspark")
+KINDS = tuple(k.name for k in (DFLASH, DFLASH2, DSPARK))
+"""The drafter kinds train/model.py builds."""
 
 
 @dataclass
@@ -35,7 +37,7 @@ class TrainConfig:
     archive: Path | None = None  # archive stage output (None: OUT/tokens.npz)
     prefill_batch: int = 512  # rows per prefill decode when rebuilding from an archive
     # model
-    kind: str = "dflash"  # dflash | dflash2 | dspark
+    kind: str = DFLASH.name  # one of KINDS
     draft_layers: int = 1
     feature_layers: int = 5  # how many target layers the drafter reads
     target_layer_ids: list[int] | None = None  # HF ids (layer outputs); None: spread over the target
@@ -100,8 +102,8 @@ class TrainConfig:
             raise TrainError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.kind not in KINDS:
             raise TrainError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "dflash2" and self.draft_vocab is not None:
-            raise TrainError("--kind dflash2 needs the full vocabulary (--draft-vocab 0): its path selector spans the target vocabulary")
+        if not kind_named(self.kind).reduced_vocab and self.draft_vocab is not None:
+            raise TrainError(f"--kind {self.kind} needs the full vocabulary (--draft-vocab 0): its path selector spans the target vocabulary")
         if not 0.0 <= self.soft_labels <= 1.0:
             raise TrainError(f"soft_labels must be in [0, 1], got {self.soft_labels}")
         if self.soft_labels > 0 and self.top_k < 1:

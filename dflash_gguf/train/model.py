@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..kinds import DFLASH, DFLASH2, DSPARK, kind_named, kind_of_architecture
+
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_CONFIG = "config.json"
 
@@ -39,7 +41,7 @@ class DrafterConfig:
     max_position_embeddings: int = 8192
     draft_vocab_size: int | None = None  # None = the full target vocabulary
     extra: dict = field(default_factory=dict)  # provenance recorded in config.json
-    kind: str = "dflash"  # dflash | dflash2 | dspark
+    kind: str = DFLASH.name  # a kinds.DrafterKind name: dflash | dflash2 | dspark
     # DFlash 2 (z-lab `DFlash2DraftModel`)
     conv_kernel_size: int = 2
     conv_group_size: int = 64
@@ -50,7 +52,7 @@ class DrafterConfig:
 
     def to_hf(self) -> dict:
         """config.json that `dflash.model.DFlashDraftModel.from_pretrained` reads (a Qwen3Config)."""
-        arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}[self.kind]
+        arch = kind_named(self.kind).architectures[0]
         cfg = {
             "architectures": [arch],
             "model_type": "qwen3",
@@ -82,12 +84,12 @@ class DrafterConfig:
         }
         if self.draft_vocab_size is not None:
             cfg["draft_vocab_size"] = self.draft_vocab_size
-        if self.kind == "dflash2":
+        if self.kind == DFLASH2.name:
             cfg["dflash_config"].update(
                 conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
                 selector_rank=self.selector_rank, selector_top_k=self.selector_top_k,
             )
-        if self.kind == "dspark":
+        if self.kind == DSPARK.name:
             # the fields DeepSpec's config requires and upstream's DSparkModel converter reads
             cfg.update(
                 markov_rank=self.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
@@ -101,7 +103,7 @@ class DrafterConfig:
         dcfg = cfg.get("dflash_config", {})
         rope = cfg.get("rope_parameters") or {}
         arch = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
-        kind = {"DFlash2DraftModel": "dflash2", "DSparkDraftModel": "dspark"}.get(arch, "dflash")
+        kind = (kind_of_architecture(arch) or DFLASH).name
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -293,7 +295,7 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.kind == "dflash2":
+        if cfg.kind == DFLASH2.name:
             args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
             self.attention_conv, self.mlp_conv = BlockConv(*args), BlockConv(*args)
         else:
@@ -334,8 +336,8 @@ class Drafter(nn.Module):
         else:
             self.register_buffer("d2t", d2t.long(), persistent=False)
             self.register_buffer("lm_head_weight", head[d2t.long()].clone(), persistent=False)
-        self.candidate_selector = CandidateSelector(cfg) if cfg.kind == "dflash2" else None
-        if cfg.kind == "dspark":
+        self.candidate_selector = CandidateSelector(cfg) if cfg.kind == DFLASH2.name else None
+        if cfg.kind == DSPARK.name:
             n_draft = cfg.vocab_size if d2t is None else len(d2t)
             self.markov_head = MarkovHead(cfg.vocab_size, n_draft, cfg.markov_rank)
             self.confidence_head = ConfidenceHead(h + cfg.markov_rank)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ..kinds import kind_named
 import torch
 
 IGNORE = -100
@@ -44,7 +46,7 @@ def label_shift(kind: str) -> int:
     """Where slot k's label sits relative to `anchor + k`: DFlash and DFlash 2 label slot k with the
     token at its own position (slot 0, the anchor, is given); DSpark's slot k predicts the token
     after its position (DeepSpec: labels at anchor + 1 .. anchor + B, slot 0 included)."""
-    return 1 if kind == "dspark" else 0
+    return kind_named(kind).label_shift
 
 
 def label_positions(anchors: np.ndarray, block_size: int, shift: int = 0) -> np.ndarray:

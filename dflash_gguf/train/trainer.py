@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..kinds import DFLASH2, DSPARK
 from .batches import Batch, draw_anchors, make_batch, spread_anchors
 from .config import TrainConfig
 from .data import FeatureCache
@@ -156,7 +157,7 @@ class Trainer:
                 "rebuild it with --stage data --from-archive (it stores them), or drop --soft-labels"
             )
         # DSpark's total-variation and confidence terms use the target distribution where the cache has it
-        self.soft = has_topk and (cfg.soft_labels > 0 or cfg.kind == "dspark")
+        self.soft = has_topk and (cfg.soft_labels > 0 or cfg.kind == DSPARK.name)
         self.ce_weight = cfg.ce_weight if cfg.ce_weight is not None else 0.1
         torch.set_num_threads(cfg.threads)
         last = self.ckpt_dir / "last"
@@ -258,7 +259,7 @@ class Trainer:
         labels, weights = batch.labels[scored], batch.weights[scored]
         soft_ids = batch.soft_ids[scored] if batch.soft_ids is not None else None
         soft_logits = batch.soft_logits[scored] if batch.soft_logits is not None else None
-        if cfg.kind == "dspark":
+        if cfg.kind == DSPARK.name:
             conf = self.model.confidence(h, prev)
             p = torch.zeros_like(logits, dtype=torch.float32)
             if soft_ids is not None:
@@ -275,7 +276,7 @@ class Trainer:
             acc = ((logits.argmax(-1) == labels).float().mean())
             return loss, acc
         loss, acc = distill_loss(logits, labels, weights, soft_ids, soft_logits, cfg.soft_labels)
-        if cfg.kind == "dflash2":
+        if cfg.kind == DFLASH2.name:
             sel = self.model.candidate_selector
             candidates = logits.detach().topk(sel.top_k, dim=-1).indices
             scores = sel.pair_scores(h, logits, prev, candidates)
