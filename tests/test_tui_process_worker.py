@@ -120,7 +120,7 @@ def test_a_bad_file_is_one_clear_error_and_no_process_is_left(tmp_path) -> None:
 
 def test_steps_and_stats_cross_the_pipe_as_the_session_made_them(spec) -> None:
     """What the worker sends: every Step of a reply and the Session's stats, unchanged by pickling."""
-    with Session(spec.target, spec.drafter, n_ctx=spec.n_ctx, n_threads=2) as local:
+    with Session(spec.target, spec.drafter, spec.options) as local:
         messages = [{"role": "user", "content": SHORT_PROMPT}]
         steps = list(local.stream_chat(messages, max_tokens=8, block_size=4))
         stats = local.last_stats
