@@ -44,6 +44,7 @@ def gpu_devices() -> list[str]:
 
 _load = capi.llama_model_load_from_file
 _log: list[str] = []
+LOADED: list[tuple[str, str]] = []  # (path, "offloaded/offloadable") of every model loaded, in order
 _loading = threading.Lock()
 OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 
@@ -70,6 +71,7 @@ def _load_offloaded(path_model: bytes, params: capi.llama_model_params) -> capi.
         if m is None or m[1] != m[2]:
             capi.llama_model_free(model)
             raise AssertionError(f"{path_model.decode()}: not every layer on the GPU ({m[0] if m else 'no offload line'})")
+        LOADED.append((path_model.decode(), f"{m[1]}/{m[2]}"))
     return model
 
 
