@@ -4,8 +4,8 @@
 # runs ggml's device-buffer, offload and copy-back paths, the ones CUDA and Metal take. Speed there means
 # nothing; identical greedy output and the sampled distributions are the point.
 #
-#   scripts/test_vulkan.sh                 build what is missing, then run the tier
-#   scripts/test_vulkan.sh -k dspark -x    extra arguments go to pytest
+#   scripts/test_vulkan.sh                            build what is missing, then run the tier
+#   scripts/test_vulkan.sh tests/test_vulkan.py -x    arguments replace the tier's test selection
 #
 # Builds llama-cpp-python with CMAKE_ARGS="-DGGML_VULKAN=on" into its own venv ($DFLASH_VULKAN_VENV,
 # default .cache/vulkan/venv), reused while it imports with a Vulkan device. Debian/Ubuntu only for the
@@ -93,18 +93,23 @@ fi
 export DFLASH_LLAMA_CPP_SRC="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 
 # 4. the tier: the lossless tests as they are, every model loaded with every layer on the device
-# (tests/offload_all.py), compared with plain decoding on the same backend; then the Vulkan-only checks
+# (tests/offload_all.py), compared with plain decoding on the same backend; then the device-only checks.
+# Arguments replace the default selection: scripts/test_vulkan.sh tests/test_vulkan.py -x
+tests=(
+    tests/test_vulkan.py
+    tests/test_session.py
+    tests/test_dspark.py::test_greedy_session_equals_plain_decoding
+    tests/test_dspark.py::test_sampled_session_follows_the_target_distribution
+    tests/test_lookup_session.py
+    tests/test_hybrid_session.py
+    tests/test_session_sampling.py
+    tests/test_native_lifetime.py
+    tests/test_server.py
+)
+[ $# -eq 0 ] || tests=("$@")
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName" || true
 start=$(date +%s)
-PYTHONPATH="$root/tests${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -p offload_all -q \
-    tests/test_session.py \
-    tests/test_dspark.py::test_greedy_session_equals_plain_decoding \
-    tests/test_dspark.py::test_sampled_session_follows_the_target_distribution \
-    tests/test_lookup_session.py \
-    tests/test_hybrid_session.py \
-    tests/test_session_sampling.py \
-    tests/test_native_lifetime.py \
-    tests/test_server.py \
-    tests/test_vulkan.py \
-    "$@"
+status=0
+PYTHONPATH="$root/tests${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -p offload_all -q "${tests[@]}" || status=$?
 echo "test_vulkan: tier ran in $(( $(date +%s) - start )) s"
+exit $status
