@@ -5,6 +5,7 @@ The tier's other tests are the ordinary lossless ones, unchanged: the plugin put
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +51,15 @@ with Session(n_gpu_layers=-1, flash_attn=sys.argv[1] == "on") as s:
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"])
 def test_a_block_16_generation_after_a_plain_one(request, flash_attn):
-    """Run in a child process, so that the segfault is a return code, not the end of the test run."""
+    """Run in a child process, so that the segfault is a return code, not the end of the test run.
+
+    On lavapipe the flash-attention run is pinned as the crash it is: when a driver or ggml fix ends it,
+    this fails and the pin (and the advice to turn flash attention off there) can go.
+    """
     from offload_all import DEVICES
 
-    if flash_attn == "on" and any("llvmpipe" in d for d in request.config.stash[DEVICES]):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="lavapipe segfaults in flash attention (issue 24)"))
     done = subprocess.run([sys.executable, "-c", CRASH_CASE, flash_attn], capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    if flash_attn == "on" and any("llvmpipe" in d for d in request.config.stash[DEVICES]):
+        assert done.returncode == -signal.SIGSEGV, f"exit {done.returncode}: lavapipe no longer crashes here, drop the pin"
+    else:
+        assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
