@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The Vulkan tier: the lossless tests with every layer of target and drafter offloaded to a Vulkan device.
+# On a machine without a GPU, Mesa's lavapipe (llvmpipe) is that device: a CPU implementation of Vulkan that
+# runs ggml's device-buffer, offload and copy-back paths, the ones CUDA and Metal take. Speed there means
+# nothing; identical greedy output and the sampled distributions are the point.
+#
+#   scripts/test_vulkan.sh                            build what is missing, then run the tier
+#   scripts/test_vulkan.sh tests/test_vulkan.py -x    arguments replace the tier's test selection
+#
+# Builds llama-cpp-python with CMAKE_ARGS="-DGGML_VULKAN=on" into its own venv ($DFLASH_VULKAN_VENV,
+# default .cache/vulkan/venv), reused while it imports with a Vulkan device. Debian/Ubuntu only for the
+# packages; elsewhere install a Vulkan driver, loader headers >= 1.4, glslc and glslang-tools yourself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+cache="$root/.cache/vulkan"
+venv="${DFLASH_VULKAN_VENV:-$cache/venv}"
+mkdir -p "$cache"
+sudo=""
+[ "$(id -u)" = 0 ] || sudo="sudo"
+
+# 1. the driver, the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
+packages="mesa-vulkan-drivers libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
+missing=""
+for p in $packages; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    echo "test_vulkan: installing$missing"
+    $sudo apt-get update -q
+    $sudo apt-get install -y -q $missing
+fi
+
+# 2. Vulkan-Hpp headers new enough for the vendored ggml-vulkan (vk::LayerSettingEXT, Vulkan 1.3.261+).
+# Debian 12 ships 1.3.239: take Debian 13's libvulkan-dev headers, unpacked into the cache and never
+# installed (installing that package would pull trixie's libc). The trixie suite is added at pin priority
+# 50, so apt never prefers any of its packages over the system's.
+include=""
+if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null; then
+    include="$cache/headers/usr/include"
+    if ! grep -q LayerSettingEXT "$include/vulkan/vulkan_structs.hpp" 2>/dev/null; then
+        if ! apt-cache policy libvulkan-dev | grep -q " trixie/main"; then
+            echo "test_vulkan: the system's Vulkan headers are too old; adding Debian trixie at pin priority 50 for newer ones"
+            printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+                | $sudo tee /etc/apt/sources.list.d/trixie.sources >/dev/null
+            printf 'Package: *\nPin: release n=trixie\nPin-Priority: 50\n' | $sudo tee /etc/apt/preferences.d/trixie-low >/dev/null
+            $sudo apt-get update -q
+        fi
+        rm -rf "$cache/deb" "$cache/headers"
+        mkdir -p "$cache/deb"
+        (cd "$cache/deb" && apt-get download -q libvulkan-dev/trixie)
+        dpkg-deb -x "$cache"/deb/libvulkan-dev_*.deb "$cache/headers"
+        grep -q LayerSettingEXT "$include/vulkan/vulkan_structs.hpp"
+    fi
+fi
+
+# 3. llama-cpp-python 0.3.36 built for Vulkan, in its own venv (about 20 minutes on two cores)
+export GGML_VK_VISIBLE_DEVICES="${GGML_VK_VISIBLE_DEVICES:-0}"  # ggml skips CPU-type devices (lavapipe) unless named
+has_vulkan() {
+    "$venv/bin/python" - <<'EOF' 2>/dev/null
+import ctypes, sys
+from llama_cpp import llama_cpp as capi
+from llama_cpp._ggml import libggml
+capi.llama_backend_init()
+libggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+sys.exit(0 if libggml.ggml_backend_reg_by_name(b"Vulkan") else 1)
+EOF
+}
+if [ ! -x "$venv/bin/python" ] || ! has_vulkan; then
+    echo "test_vulkan: building llama-cpp-python 0.3.36 with Vulkan into $venv"
+    start=$(date +%s)
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    # the no-AMX flags and the reasons for them: scripts/setup.sh
+    if [ "$(uname -m)" = "x86_64" ]; then
+        no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        export CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx"
+    fi
+    CMAKE_ARGS="-DGGML_VULKAN=on${include:+ -DVulkan_INCLUDE_DIR=$include}" \
+        "$venv/bin/python" -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"
+    echo "test_vulkan: llama-cpp-python built in $(( $(date +%s) - start )) s"
+    has_vulkan || { echo "test_vulkan: the build in $venv has no Vulkan backend" >&2; exit 1; }
+fi
+"$venv/bin/python" -m pip install -q -e ".[test]"
+"$venv/bin/python" -m pip show -q dflash >/dev/null 2>&1 || "$venv/bin/python" -m pip install -q --no-deps "dflash==0.1.0"
+src="$root/.cache/upstream"
+if [ ! -f "$src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+    mkdir -p "$src"
+    "$venv/bin/python" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$src"
+    tar -xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
+fi
+export DFLASH_LLAMA_CPP_SRC="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+
+# 4. the tier: the lossless tests as they are, every model loaded with every layer on the device
+# (tests/offload_all.py), compared with plain decoding on the same backend; then the device-only checks.
+# Arguments replace the default selection: scripts/test_vulkan.sh tests/test_vulkan.py -x
+tests=(
+    tests/test_vulkan.py
+    tests/test_session.py
+    tests/test_dspark.py::test_greedy_session_equals_plain_decoding
+    tests/test_dspark.py::test_sampled_session_follows_the_target_distribution
+    tests/test_lookup_session.py
+    tests/test_hybrid_session.py
+    tests/test_session_sampling.py
+    tests/test_native_lifetime.py
+    tests/test_server.py
+)
+[ $# -eq 0 ] || tests=("$@")
+vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName" || true
+start=$(date +%s)
+status=0
+PYTHONPATH="$root/tests${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -p offload_all -q "${tests[@]}" || status=$?
+echo "test_vulkan: tier ran in $(( $(date +%s) - start )) s"
+exit $status

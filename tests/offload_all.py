@@ -1,0 +1,90 @@
+"""pytest plugin (`-p offload_all`): every model the test process loads goes onto the GPU, every layer.
+
+scripts/test_vulkan.sh loads it so that the ordinary lossless tests run unchanged on a device backend:
+targets, drafters and the llama_cpp.Llama references they compare with all pass through
+llama_model_load_from_file, so greedy output is compared with plain decoding on the same backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+
+import pytest
+from llama_cpp import llama_cpp as capi
+from llama_cpp._ggml import libggml
+from llama_cpp._logger import llama_log_callback
+
+ALL_LAYERS = 0x7FFFFFFF  # what n_gpu_layers=-1 becomes in llama-cpp-python and dflash_gguf.target
+DEVICES = pytest.StashKey[list]()  # the GPU devices found, for the report header
+GPU_TYPES = (1, 2)  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (ggml-backend.h)
+
+libggml.ggml_backend_dev_count.argtypes = []
+libggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+libggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+libggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+for _name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+    getattr(libggml, _name).argtypes = [ctypes.c_void_p]
+    getattr(libggml, _name).restype = ctypes.c_char_p
+libggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+libggml.ggml_backend_dev_type.restype = ctypes.c_int
+
+
+def gpu_devices() -> list[str]:
+    """'name (description)' of each GPU device ggml registered; libllama offloads to these."""
+    capi.llama_backend_init()  # loads the backends of a GGML_BACKEND_DL build; idempotent
+    out = []
+    for i in range(libggml.ggml_backend_dev_count()):
+        dev = libggml.ggml_backend_dev_get(i)
+        if libggml.ggml_backend_dev_type(dev) in GPU_TYPES:
+            out.append(f"{libggml.ggml_backend_dev_name(dev).decode()} ({libggml.ggml_backend_dev_description(dev).decode()})")
+    return out
+
+
+_load = capi.llama_model_load_from_file
+_log: list[str] = []
+LOADED: list[tuple[str, str]] = []  # (path, "offloaded/offloadable") of every model loaded, in order
+_loading = threading.Lock()
+OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+@capi.llama_log_callback
+def _record(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    _log.append(text.decode("utf-8", errors="replace"))
+
+
+def _load_offloaded(path_model: bytes, params: capi.llama_model_params) -> capi.llama_model_p:
+    """llama_model_load_from_file with n_gpu_layers = all, failing unless libllama says it offloaded them all."""
+    params = capi.llama_model_params.from_buffer_copy(params)
+    params.n_gpu_layers = ALL_LAYERS
+    with _loading:
+        _log.clear()
+        capi.llama_log_set(_record, ctypes.c_void_p(0))
+        try:
+            model = _load(path_model, params)
+        finally:
+            capi.llama_log_set(llama_log_callback, ctypes.c_void_p(0))
+        text = "".join(_log)
+    if model:
+        m = OFFLOADED.search(text)
+        if m is None or m[1] != m[2]:
+            capi.llama_model_free(model)
+            raise AssertionError(f"{path_model.decode()}: not every layer on the GPU ({m[0] if m else 'no offload line'})")
+        LOADED.append((path_model.decode(), f"{m[1]}/{m[2]}"))
+    return model
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    devices = gpu_devices()
+    if not devices:
+        raise pytest.UsageError(
+            "offload_all: this libllama has no GPU device (a Vulkan build on lavapipe needs GGML_VK_VISIBLE_DEVICES=0)"
+        )
+    config.stash[DEVICES] = devices
+    capi.llama_model_load_from_file = _load_offloaded
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}"
+
