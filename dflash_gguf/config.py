@@ -123,6 +123,9 @@ class SessionOptions:
     n_ctx: int = setting(4096, integer(8), "context size in tokens", parse=int)
     n_gpu_layers: int = setting(0, integer(-1, " (-1 = all)"),
                                 "target layers to offload to the GPU; -1 = all (CUDA/Metal/Vulkan builds)", parse=int)
+    n_gpu_layers_draft: int | None = setting(None, optional(integer(-1, " (-1 = all)"), "as the target"),
+                                             "drafter layers to offload to the GPU (default: as the target; "
+                                             "upstream's -ngld)", flags=("--n-gpu-layers-draft", "-ngld"), parse=int)
     n_threads: int | None = setting(None, optional(integer(1), "llama.cpp's choice"),
                                     "CPU threads (default: llama.cpp's choice)", flags=("--threads", "--n-threads"),
                                     parse=int)

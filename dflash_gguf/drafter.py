@@ -104,7 +104,8 @@ class Drafter(NativeResource):
         self.target = target
         # every value libllama would abort on, before it reads the file; and the drafter's kind, decided once
         self.file = drafter_gguf.check_drafter_gguf(self.path)
-        self._model = load_model(self.path, n_gpu_layers=target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers)
+        self.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers  # on the GPU with the target
+        self._model = load_model(self.path, n_gpu_layers=self.n_gpu_layers)
         self._shared = SharedModel(self._model, owned=True)
         try:
             check_pairing(self._model, self.path, target)
@@ -120,7 +121,7 @@ class Drafter(NativeResource):
         if target.closed:
             raise ClosedError("cannot fork a Drafter onto a closed Target")
         other = Drafter.__new__(Drafter)
-        other.path, other.target, other.file = self.path, target, self.file
+        other.path, other.target, other.file, other.n_gpu_layers = self.path, target, self.file, self.n_gpu_layers
         other._shared = self._shared.share()
         other._model = self._model
         try:

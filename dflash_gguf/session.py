@@ -121,7 +121,8 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
         )
         try:
-            self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources)
+            self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
+                         n_gpu_layers_draft=o.n_gpu_layers_draft)
         except BaseException:
             tgt.close()
             raise
@@ -174,6 +175,7 @@ class Session:
         wait: bool,
         lookup: bool | None,
         sources: Sequence[DraftSource] = (),
+        n_gpu_layers_draft: int | None = None,
     ) -> None:
         given = _check_sources(sources)
         self.target = target
@@ -208,7 +210,8 @@ class Session:
             self._sources.append(self._lookup)
         _check_names(s.name for s in self._sources)
         if drafter is not None:
-            self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(drafter, target, n_threads=n_threads)
+            self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
+                drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads)
             self._native_source = NativeDrafterSource(self.drafter)
             self._sources.append(self._native_source)
             try:

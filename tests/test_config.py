@@ -84,6 +84,7 @@ def test_flags_come_from_the_fields():
     options = _parse(SessionOptions, ("n_threads", "lookup"), ["--n-threads", "3", "--no-lookup"])
     assert options == SessionOptions(n_threads=3, lookup=False)
     assert _parse(SessionOptions, ("n_threads",), ["--threads", "2"]).n_threads == 2  # both spellings
+    assert _parse(SessionOptions, ("n_gpu_layers_draft",), ["-ngld", "0"]).n_gpu_layers_draft == 0  # upstream's
 
 
 def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys):

@@ -277,3 +277,15 @@ def test_an_abandoned_stream_leaves_a_usable_cache(session, llama):
     r = session.generate(PROMPTS[3], max_tokens=12, block_size=4)
     assert r.tokens == llama_greedy(llama, PROMPTS[3], 12)
     assert r.stats.n_cached_tokens == r.stats.n_prompt_tokens - 1
+
+
+def test_the_drafter_goes_where_the_target_goes_unless_told_otherwise(embedded_target):
+    """n_gpu_layers_draft (upstream's -ngld): by default the drafter is offloaded as far as the target, forks too."""
+    from dflash_gguf.defaults import embedded_drafter
+
+    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=2, n_gpu_layers=3) as s:
+        with s.fork() as other:
+            assert s.drafter.n_gpu_layers == 3 == other.drafter.n_gpu_layers
+    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=2, n_gpu_layers=3,
+                 n_gpu_layers_draft=0) as s:
+        assert s.drafter.n_gpu_layers == 0 and s.target.n_gpu_layers == 3
