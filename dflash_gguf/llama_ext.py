@@ -145,3 +145,8 @@ model_get_tok_embd = _bind(
     [_model, ctypes.POINTER(ctypes.c_float)],
     ctypes.c_uint32,
 )
+
+
+def layer_input_api_present() -> bool:
+    """Whether the loaded libllama has the layer-input API DFlash reads the target's features through."""
+    return all(getattr(f, "__name__", "") != "missing" for f in (set_embeddings_layer_inp, get_embeddings_layer_inp))
