@@ -101,8 +101,8 @@ def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path
     assert variant["ratio"][1] == 1.0 and variant["ratio"][4] > 0 and variant["cpu_ratio"][4] > 0
     assert variant["argmax_agreement"] == 1.0  # the reference agrees with itself
     assert "CPU" in data["system_info"]
-    # one round of greedy plain generation per built-in category (math, code, chat, copy-heavy)
-    assert len(variant["plain_tokens_per_s"]) == 4 and variant["plain_tokens_per_s_median"] > 0
+    # one round of greedy plain generation per built-in category (math, code, chat, copy-heavy, json)
+    assert len(variant["plain_tokens_per_s"]) == 5 and variant["plain_tokens_per_s_median"] > 0
     assert variant["plain_cpu_ms_per_token_median"] > 0 and variant["step_alone_cpu_ms"] > 0
     assert 0.5 < data["flash_attn_flip_agreement"] <= 1.0
     assert sorted(data["drafter_cpu_ms"]) == [
