@@ -12,7 +12,6 @@ here are fixed (seeded weights) and the test checks that margin first, so a fail
 
 from __future__ import annotations
 
-import inspect
 
 import llama_cpp
 import numpy as np
@@ -31,18 +30,7 @@ MARGIN = 0.03  # > the batch variance measured on these fixtures (<= 0.02)
 
 def open_session(target, drafter, *, n_rs_seq: int) -> Session:
     """A Session whose target keeps n_rs_seq recurrent-state snapshots."""
-    if "n_rs_seq" in inspect.signature(Session).parameters:
-        return Session(target, drafter, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=n_rs_seq)
-    # until Session sizes n_rs_seq itself: the same attach path that Session.fork uses, on a Target we open
-    t = Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=n_rs_seq)
-    s = Session.__new__(Session)
-    try:
-        s._attach(t, drafter, 1, wait=True)
-    except BaseException:
-        t.close()
-        raise
-    s._llama = None
-    return s
+    return Session(target, drafter, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=n_rs_seq)
 
 
 def plain_greedy(target_path, prompt: str, n: int) -> tuple[list[int], float]:
