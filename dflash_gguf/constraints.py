@@ -56,9 +56,7 @@ def compile_grammar(kind: str, source: str) -> str:
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         else:
             raise ValueError(f"unknown constraint kind {kind!r}: one of {', '.join(KINDS)}")
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the front ends raise their own types for bad input
+    except Exception as e:  # noqa: BLE001 - the front ends raise their own types for bad input; one line each
         raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     error = llguidance.LLMatcher.validate_grammar(grammar, None)
     if error:

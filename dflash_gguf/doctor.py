@@ -131,7 +131,8 @@ def to_text(report: dict[str, Any]) -> str:
         tau = report["tau"]
         lines.append(f"τ          {tau['mean']:.2f} at block {tau['block_size']} over {len(tau['per_prompt'])} "
                      f"built-in prompts ({', '.join(f'{v:.2f}' for v in tau['per_prompt'])})")
-        lines.append("speedup    " + " ".join(f"{v:5.2f}" for v in [0.0] + list(report["expected_speedup"].values()))
+        # block 1 is plain decoding itself: no speedup to expect, so no figure
+        lines.append("speedup    " + " ".join(["    —"] + [f"{v:5.2f}" for v in report["expected_speedup"].values()])
                      + "   expected at each block: E[committed]·t(1) / (t(n) + draft pass)")
     lines += [f"advice     {line}" for line in report["advice"]]
     machine = report["machine"]
