@@ -17,6 +17,7 @@ from .constraints import KINDS as CONSTRAINT_KINDS
 from .constraints import ConstraintSpec, compile_grammar, schema_text
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
+from .target import KV_TYPES, QUANTIZED_KV_TYPES
 
 __all__ = [
     "GenerationConfig", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions", "SettingError",
@@ -42,6 +43,19 @@ def _constraint(kind: str) -> Callable[[Any], Any]:
             raise TypeError(f"must be None or a non-empty string, got {value!r}")
         compile_grammar(kind, text)
         return text
+
+    return check
+
+
+def _kv_type(optional_meaning: str | None = None) -> Callable[[Any], Any]:
+    """One of llama.cpp's KV cache type names (f16, q8_0, q4_0, ...); None too where it means something."""
+    def check(value: Any) -> str | None:
+        if value is None and optional_meaning is not None:
+            return None
+        if value not in KV_TYPES:
+            none = f"None ({optional_meaning}) or " if optional_meaning is not None else ""
+            raise ValueError(f"must be {none}one of {', '.join(KV_TYPES)}, got {value!r}")
+        return value
 
     return check
 
@@ -138,9 +152,24 @@ class SessionOptions:
     lookup: bool | None = setting(None, optional_boolean("on only without a drafter"),
                                   "n-gram lookup drafts (copies from prompt and reply) next to the drafter "
                                   "(default: on only without a drafter)", parse=bool)
+    # the KV cache's element type; a quantized cache holds more context in less memory (llama.cpp's -ctk/-ctv)
+    type_k: str = setting("f16", _kv_type(), "target KV cache type for K", flags=("--cache-type-k", "-ctk"),
+                          parse=str)
+    type_v: str = setting("f16", _kv_type(), "target KV cache type for V (quantized: needs flash attention)",
+                          flags=("--cache-type-v", "-ctv"), parse=str)
+    type_k_draft: str | None = setting(None, _kv_type("as the target"),
+                                       "drafter KV cache type for K (default: as the target)",
+                                       flags=("--cache-type-k-draft", "-ctkd"), parse=str)
+    type_v_draft: str | None = setting(None, _kv_type("as the target"),
+                                       "drafter KV cache type for V (default: as the target)",
+                                       flags=("--cache-type-v-draft", "-ctvd"), parse=str)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if not self.flash_attn:  # libllama reads a V cache transposed without it, which quantized blocks cannot be
+            for name in ("type_v", "type_v_draft"):
+                if getattr(self, name) in QUANTIZED_KV_TYPES:
+                    raise SettingError(name, f"a quantized V cache ({getattr(self, name)}) needs flash_attn=True")
 
     @classmethod
     def build(cls, base: SessionOptions | None = None, /, **settings: Any) -> SessionOptions:

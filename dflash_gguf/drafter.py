@@ -22,7 +22,10 @@ from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .kinds import DFLASH2, DSPARK
 from .schema import ARCH, Keys
-from .target import ClosedError, NativeResource, SharedModel, Target, check_gguf_file, load_model, meta_str, new_context
+from .target import (
+    ClosedError, NativeResource, SharedModel, Target, check_gguf_file, check_kv_types, load_model, meta_str, new_context,
+    state_seq_get, state_seq_set,
+)
 
 
 class PairingError(ValueError):
@@ -99,9 +102,15 @@ class Drafter(NativeResource):
         *,
         n_gpu_layers: int | None = None,
         n_threads: int | None = None,
+        type_k: str | None = None,
+        type_v: str | None = None,
     ) -> None:
         self.path = check_gguf_file(path)
         self.target = target
+        # the KV cache of the injected features: the target's element types unless told otherwise
+        self.type_k = target.type_k if type_k is None else type_k
+        self.type_v = target.type_v if type_v is None else type_v
+        check_kv_types(self.type_k, self.type_v, target.flash_attn)
         # every value libllama would abort on, before it reads the file; and the drafter's kind, decided once
         self.file = drafter_gguf.check_drafter_gguf(self.path)
         self.n_gpu_layers = target.n_gpu_layers if n_gpu_layers is None else n_gpu_layers  # on the GPU with the target
@@ -122,6 +131,7 @@ class Drafter(NativeResource):
             raise ClosedError("cannot fork a Drafter onto a closed Target")
         other = Drafter.__new__(Drafter)
         other.path, other.target, other.file, other.n_gpu_layers = self.path, target, self.file, self.n_gpu_layers
+        other.type_k, other.type_v = self.type_k, self.type_v
         other._shared = self._shared.share()
         other._model = self._model
         try:
@@ -175,6 +185,8 @@ class Drafter(NativeResource):
             n_threads=threads,
             flash_attn=target.flash_attn,
             ctx_other=target.ctx,
+            type_k=self.type_k,
+            type_v=self.type_v,
         )
         self._mem = capi.llama_get_memory(self._ctx)
         self.n_ctx = capi.llama_n_ctx(self._ctx)
@@ -351,6 +363,23 @@ class Drafter(NativeResource):
     def clear(self) -> None:
         self._check_open()
         capi.llama_memory_clear(self._mem, True)
+
+    def save_state(self) -> bytes:
+        """The drafter's KV cache (the injected target features' K/V), as llama_state_seq bytes."""
+        self._check_open()
+        return state_seq_get(self._ctx, 0)
+
+    def load_state(self, data: bytes) -> None:
+        """Replace the drafter's KV cache with what save_state returned on a drafter like this one.
+
+        RuntimeError when libllama refuses it; the cache is then empty.
+        """
+        self._check_open()
+        try:
+            state_seq_set(self._ctx, data, 0)
+        except RuntimeError:
+            capi.llama_memory_seq_rm(self._mem, 0, 0, -1)
+            raise
 
     def close(self) -> None:
         """Free batch, context and this drafter's share of the model; a second call does nothing.

@@ -103,6 +103,15 @@ class TargetMemory(ABC):
     def end_of_turn(self, n_past: int) -> None:
         """The generation ended with n_past positions cached (a checkpoint for the next turn, say)."""
 
+    def restored(self, n: int) -> None:
+        """The target's sequence 0 was replaced by a saved state of n positions (the prompt cache)."""
+
+    @property
+    def reaches_back(self) -> bool:
+        """Whether truncate() can keep a prefix shorter than what is cached without a checkpoint of it
+        (attention KV: always); else a restored state serves only prompts that extend all of it."""
+        return True
+
 
 class KVTruncation(TargetMemory):
     """Attention-only memory: dropping the rejected positions is exact and nearly free."""
@@ -123,6 +132,7 @@ class NoRollback(TargetMemory):
 
     name = "none"
     can_rollback = False
+    reaches_back = False
 
     def truncate(self, n: int) -> int:
         self.target.remove(0, 0)
@@ -268,6 +278,21 @@ class HybridMemory(TargetMemory):
         t = self.target
         if t.pos_max(0) + 1 == n_past and n_past > 0:
             self._remember(save_state(t, n_past))
+
+    def restored(self, n: int) -> None:
+        """A saved state replaced the sequence: the turn checkpoints were another sequence's, and the
+        snapshot rows are not part of a saved state, so no snapshot rollback may reach into it."""
+        t = self.target
+        if t.pos_max(0) + 1 != n:
+            raise RuntimeError(f"a restored state of {n} positions, but the target holds {t.pos_max(0) + 1}")
+        self._verify = self._checkpoint = None
+        self._turns = []
+        self._prompt_pending = False
+        self._rolled_at = t.decode_count
+
+    @property
+    def reaches_back(self) -> bool:
+        return False
 
     def _remember(self, checkpoint: Checkpoint) -> None:
         turns = [c for c in self._turns if c.pos != checkpoint.pos] + [checkpoint]

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 
 GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
+# KV cache element types as llama.cpp's --cache-type-k/-v name them (common/arg.cpp's kv_cache_types)
+KV_TYPES = {
+    "f32": capi.GGML_TYPE_F32, "f16": capi.GGML_TYPE_F16, "q8_0": capi.GGML_TYPE_Q8_0, "q5_1": capi.GGML_TYPE_Q5_1,
+    "q5_0": capi.GGML_TYPE_Q5_0, "q4_1": capi.GGML_TYPE_Q4_1, "q4_0": capi.GGML_TYPE_Q4_0,
+}
+QUANTIZED_KV_TYPES = frozenset(KV_TYPES) - {"f32", "f16"}
+STATE_SEQ_MAGIC = 0xAF143CD8  # src/llama-context.cpp io_magic: the first 4 bytes of every llama_state_seq blob
 
 LogitsSpec = Union[bool, str, Sequence[bool]]
 
@@ -86,11 +93,15 @@ def new_context(
     flash_attn: bool = False,
     ctx_other: capi.llama_context_p | None = None,
     n_rs_seq: int = 0,
+    type_k: str = "f16",
+    type_v: str = "f16",
 ) -> capi.llama_context_p:
     """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph.
 
     flash_attn defaults to off, as in llama_cpp.Llama: the same kernels give the same greedy tokens.
+    type_k / type_v: the KV cache's element type (KV_TYPES); a quantized V cache needs flash attention.
     """
+    check_kv_types(type_k, type_v, flash_attn)
     for name, value, lo in (("n_ctx", n_ctx, 8), ("n_batch", n_batch, 1), ("n_seq_max", n_seq_max, 1)):
         if not isinstance(value, int) or value < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -116,10 +127,56 @@ def new_context(
     if ctx_other is not None:
         params.ctx_other = ctx_other
     params.n_rs_seq = n_rs_seq  # recurrent-state snapshots per sequence; libllama clamps it to 0 where unsupported
+    params.type_k = KV_TYPES[type_k]
+    params.type_v = KV_TYPES[type_v]
     ctx = capi.llama_init_from_model(model, params)
     if not ctx:
-        raise RuntimeError(f"libllama could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max})")
+        kv = "" if (type_k, type_v) == ("f16", "f16") else (
+            f", type_k={type_k}, type_v={type_v}: a quantized KV cache needs head sizes its block size divides")
+        raise RuntimeError(
+            f"libllama could not create a context (n_ctx={n_ctx}, n_batch={n_batch}, n_seq_max={n_seq_max}{kv})")
     return ctx
+
+
+def check_kv_types(type_k: object, type_v: object, flash_attn: bool) -> None:
+    """ValueError for a KV type libllama does not know, or a quantized V cache without flash attention
+    (libllama refuses that context: its V is read transposed, which quantized blocks cannot be)."""
+    for name, value in (("type_k", type_k), ("type_v", type_v)):
+        if value not in KV_TYPES:
+            raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
+    if type_v in QUANTIZED_KV_TYPES and not flash_attn:
+        raise ValueError(f"type_v={type_v}: a quantized V cache needs flash attention (flash_attn=True)")
+
+
+def state_seq_get(ctx: capi.llama_context_p, seq_id: int, flags: int = 0) -> bytes:
+    """llama_state_seq_get_data_ext: one sequence's memory (KV cells, recurrent state) as bytes."""
+    size = int(capi.llama_state_seq_get_size_ext(ctx, seq_id, flags))
+    if size <= 0:
+        raise RuntimeError(f"libllama cannot save the state of sequence {seq_id}")
+    out = bytearray(size)
+    n = capi.llama_state_seq_get_data_ext(ctx, (ctypes.c_uint8 * size).from_buffer(out), size, seq_id, flags)
+    if n != size:
+        raise RuntimeError(f"llama_state_seq_get_data_ext wrote {n} of {size} bytes")
+    return bytes(out)
+
+
+def state_seq_set(ctx: capi.llama_context_p, data: bytes, seq_id: int, flags: int = 0) -> None:
+    """llama_state_seq_set_data_ext for a blob state_seq_get wrote; RuntimeError when libllama refuses it.
+
+    Checked first: bytes, its magic, and no device-storage flag (those paths assert). libllama parses
+    the rest defensively (a mismatch is an error return) but trusts the tensor bytes, so a caller
+    holding data from outside (prompt_cache) verifies its checksum before this.
+    """
+    if not isinstance(data, bytes) or len(data) < 8:
+        raise ValueError("a sequence state must be bytes of at least 8 (magic and sequence id)")
+    if int.from_bytes(data[:4], "little") != STATE_SEQ_MAGIC:
+        raise ValueError("not a libllama sequence state (wrong magic)")
+    if flags & capi.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE:
+        raise ValueError("device-stored sequence states are not supported here")
+    src = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy: data outlives the call
+    n = capi.llama_state_seq_set_data_ext(ctx, src, len(data), seq_id, flags)
+    if n != len(data):
+        raise RuntimeError(f"libllama refused the sequence state ({n} of {len(data)} bytes read)")
 
 
 def quantize(src: Path, dst: Path, ftype: int, *, n_threads: int = 2) -> None:
@@ -285,12 +342,15 @@ class Target(NativeResource):
         n_gpu_layers: int = 0,
         flash_attn: bool = False,
         shared: SharedModel | None = None,
+        type_k: str = "f16",
+        type_v: str = "f16",
     ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
         self.path: Path | None = Path(path) if path is not None else None
         self.n_gpu_layers = n_gpu_layers
         self.flash_attn = flash_attn
+        self.type_k, self.type_v = type_k, type_v  # KV cache element types (KV_TYPES names)
         self._model = model
         self._ctx = ctx
         self._owned = owned  # the context is ours to free
@@ -358,6 +418,8 @@ class Target(NativeResource):
         flash_attn: bool = True,
         verbose: bool = False,
         n_rs_seq: int = 0,
+        type_k: str = "f16",
+        type_v: str = "f16",
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both.
 
@@ -366,29 +428,36 @@ class Target(NativeResource):
 
         Flash attention is on by default: with it libllama's batched and single-token decodes give
         bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
+        type_k / type_v: the KV cache's element types (KV_TYPES: f16, q8_0, q4_0, ...).
         """
+        check_kv_types(type_k, type_v, flash_attn)  # before the weights load
         init_backend(verbose)
         model = load_model(path, n_gpu_layers=n_gpu_layers)
         try:
             ctx = new_context(
                 model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn,
-                n_rs_seq=n_rs_seq,
+                n_rs_seq=n_rs_seq, type_k=type_k, type_v=type_v,
             )
         except BaseException:
             capi.llama_model_free(model)
             raise
-        return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
+        return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
+                   type_k=type_k, type_v=type_v)
 
     @classmethod
     def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
         """Share an existing llama_cpp.Llama's model and context; closing the Target frees nothing."""
+        names = {v: k for k, v in KV_TYPES.items()}
+        params = llama.context_params
         return cls(
             llama.model,
             llama.ctx,
             owned=False,
             path=llama.model_path,
             n_gpu_layers=llama.model_params.n_gpu_layers,
-            flash_attn=llama.context_params.flash_attn_type == capi.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            flash_attn=params.flash_attn_type == capi.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            type_k=names.get(params.type_k, f"ggml type {params.type_k}"),
+            type_v=names.get(params.type_v, f"ggml type {params.type_v}"),
         )
 
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
@@ -658,6 +727,33 @@ class Target(NativeResource):
             raise self._closed_error()
         capi.llama_memory_clear(self._mem, True)
 
+    def save_sequence(self, seq_id: int = 0) -> bytes:
+        """The whole memory of a sequence (attention KV and, on hybrid targets, the recurrent state)."""
+        if self._ctx is None:
+            raise self._closed_error()
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
+        return state_seq_get(self._ctx, seq_id)
+
+    def load_sequence(self, data: bytes, seq_id: int = 0) -> None:
+        """Replace a sequence's memory with what save_sequence returned on a context like this one.
+
+        RuntimeError when libllama refuses it (another layout, too many cells); the sequence is then empty.
+        The recurrent-state snapshots (n_rs_seq) are not part of a saved state: no rollback reaches behind it.
+        """
+        if self._ctx is None:
+            raise self._closed_error()
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
+        try:
+            state_seq_set(self._ctx, data, seq_id)
+        except RuntimeError:
+            capi.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
+            raise
+        self._features_ready = False
+        self._n_last = 0
+        self._n_outputs = 0
+
     # -- vocabulary ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if self._ctx is None:
@@ -751,13 +847,15 @@ class Target(NativeResource):
                 n_threads=capi.llama_n_threads(self._ctx),
                 flash_attn=self.flash_attn,
                 n_rs_seq=self.n_rs_seq,
+                type_k=self.type_k,
+                type_v=self.type_v,
             )
         except BaseException:
             shared.release()
             raise
         return Target(
             self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
-            flash_attn=self.flash_attn, shared=shared,
+            flash_attn=self.flash_attn, shared=shared, type_k=self.type_k, type_v=self.type_v,
         )
 
     def set_threads(self, n_threads: int) -> None:
