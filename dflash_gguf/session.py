@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -22,7 +23,8 @@ from .decoding import CacheState, decode_steps
 from .drafter import Drafter
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
-from .sources import DraftSource, NativeDrafterSource
+from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
+from .sources import Commit, DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step
 from .target import ClosedError, Target
@@ -30,6 +32,7 @@ from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
 
 Message = Mapping[str, Any]
+log = logging.getLogger("dflash_gguf.session")
 
 __all__ = ["GenerationStats", "Result", "Session", "SessionBusyError", "SessionClosedError"]
 
@@ -91,6 +94,11 @@ class Session:
     for this Session alone), peers of the drafter and lookup: every cycle each offers, and one policy
     prices the offers with the measured costs; a fixed block drafts from the first that offers, these first.
 
+    prompt_cache: a PromptCache (shared by forks and by a server's slots). Before a prompt is prefilled the
+    entry sharing its longest prefix is restored, when it covers more than this Session's live context
+    does; at the end of every generation that runs to its end the whole state (prompt and reply) is stored,
+    as llama-server keeps a slot's prompt. What it did is in the stats' `prompt_cache`.
+
     Generations on one Session are serialised: a second caller (another thread) waits until the running
     one ends, or, with wait=False, gets SessionBusyError at once. fork() gives an independent Session on
     the same loaded weights for real parallelism. After close() every method raises SessionClosedError;
@@ -104,9 +112,11 @@ class Session:
         options: SessionOptions | None = None,
         *,
         sources: Sequence[DraftSource] = (),
+        prompt_cache: PromptCache | None = None,
         **settings: Any,
     ) -> None:
         """`options` (or the defaults) with any SessionOptions field given by name, e.g. n_ctx=2048."""
+        _check_prompt_cache(prompt_cache)
         o = SessionOptions.build(options, **settings)
         if drafter is None and target is None:
             drafter = _default_drafter()
@@ -119,10 +129,13 @@ class Session:
             flash_attn=o.flash_attn,
             verbose=o.verbose,
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
+            type_k=o.type_k,
+            type_v=o.type_v,
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
-                         n_gpu_layers_draft=o.n_gpu_layers_draft)
+                         n_gpu_layers_draft=o.n_gpu_layers_draft, prompt_cache=prompt_cache,
+                         draft_kv=(o.type_k_draft, o.type_v_draft))
         except BaseException:
             tgt.close()
             raise
@@ -137,14 +150,17 @@ class Session:
         n_threads: int | None = None,
         wait: bool = True,
         lookup: bool | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> "Session":
         """Wrap an existing llama_cpp.Llama: its model and context become the target (still owned by it).
 
         Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README).
         """
         o = SessionOptions.build(n_threads=n_threads, wait=wait, lookup=lookup)
+        _check_prompt_cache(prompt_cache)
         self = cls.__new__(cls)
-        self._attach(Target.from_llama(llama), drafter, o.n_threads, wait=o.wait, lookup=o.lookup)
+        self._attach(Target.from_llama(llama), drafter, o.n_threads, wait=o.wait, lookup=o.lookup,
+                     prompt_cache=prompt_cache)
         self._llama = llama
         llama.reset()
         return self
@@ -162,7 +178,9 @@ class Session:
                 target.close()
                 raise
         other = Session.__new__(Session)
-        other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None)
+        other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None,
+                      prompt_cache=self._prompt_cache)
+        other._context = self._context  # the same files and settings: the same prompt-cache context
         other._llama = None
         return other
 
@@ -176,8 +194,12 @@ class Session:
         lookup: bool | None,
         sources: Sequence[DraftSource] = (),
         n_gpu_layers_draft: int | None = None,
+        prompt_cache: PromptCache | None = None,
+        draft_kv: tuple[str | None, str | None] = (None, None),
     ) -> None:
         given = _check_sources(sources)
+        self._prompt_cache = prompt_cache
+        self._context: str | None = None  # the prompt-cache context id, computed on first use
         self.target = target
         self.drafter: Drafter | None = None
         self.memory: TargetMemory = memory_for(target)
@@ -211,7 +233,8 @@ class Session:
         _check_names(s.name for s in self._sources)
         if drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
-                drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads)
+                drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads,
+                type_k=draft_kv[0], type_v=draft_kv[1])
             self._native_source = NativeDrafterSource(self.drafter)
             self._sources.append(self._native_source)
             try:
@@ -274,7 +297,7 @@ class Session:
         try:
             with self._native:
                 self._check_open()
-                steps = self._start(tokens, config)
+                steps, restored = self._start(tokens, config)
             builder = StatsBuilder()
             t0 = time.perf_counter()
             while True:
@@ -290,6 +313,10 @@ class Session:
                         raise
                 builder.add(step)
                 yield step
+            with self._native:
+                if self._closed:
+                    return
+                cache_event = self._store_prefix(restored)
             self.last_stats = builder.stats(
                 wall_s=time.perf_counter() - t0,
                 n_prompt_tokens=len(tokens),
@@ -300,8 +327,95 @@ class Session:
                 memory_extra_bytes=self.memory.extra_bytes,
                 speculative_disabled_reason=self.speculative_disabled_reason,
             )
+            if cache_event is not None:
+                self.last_stats = replace(self.last_stats, prompt_cache=cache_event)
         finally:
             self._leave_generation()
+
+    # -- the prompt cache ------------------------------------------------------------------
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        return self._prompt_cache
+
+    def _cache_usable(self) -> bool:
+        """Whether this Session's whole decoding state can be saved and restored: a memory that keeps a
+        prefix at all, and no caller-given source whose state is more than the tokens (features)."""
+        return (self._prompt_cache is not None and self.memory.can_rollback
+                and not any(s.needs_features and s is not self._native_source for s in self._sources))
+
+    def _context_id(self) -> str:
+        """Everything that shapes the saved bytes or the numbers in them: entries restore only into their own."""
+        if self._context is None:
+            t, d = self.target, self.drafter
+            self._context = context_id({
+                "libllama": llama_cpp.__version__, "target": file_identity(t.path), "fingerprint": t.fingerprint(),
+                "n_ctx": t.n_ctx, "n_ctx_seq": t.n_ctx_seq, "n_batch": t.n_batch, "n_seq_max": t.n_seq_max,
+                "n_rs_seq": t.n_rs_seq, "flash_attn": t.flash_attn, "type_k": t.type_k, "type_v": t.type_v,
+                "drafter": None if d is None else [file_identity(d.path), d.type_k, d.type_v],
+                "sources": [s.name for s in self._sources],
+            })
+        return self._context
+
+    def _restore_prefix(self, tokens: list[int]) -> CacheEvent | None:
+        """Restore the cached state sharing the longest prefix with `tokens` when it covers more than the
+        live context would keep; a state libllama refuses is a miss (and the live caches are forgotten)."""
+        if not self._cache_usable():
+            return None
+        t0 = time.perf_counter()
+        cache = self._prompt_cache
+        live = self._cache.common_prefix(tokens)
+        if not self.memory.reaches_back and live < len(self._cache.tokens):
+            live = 0  # a hybrid memory may still reach it through a turn checkpoint: a restore is exact too
+        hit = cache.lookup(self._context_id(), tokens, at_least=live, prefix_only=not self.memory.reaches_back)
+        if hit is None:
+            return CacheEvent(None, restore_ms=(time.perf_counter() - t0) * 1000.0)
+        try:
+            self._load_snapshot(hit.snapshot)
+        except (RuntimeError, ValueError) as e:
+            log.warning("prompt cache: the %s entry of %d tokens did not restore (%s); prefilling instead",
+                        hit.tier, len(hit.snapshot.tokens), e)
+            cache.count_failed_restore(hit)
+            self._forget()
+            return CacheEvent(None, restore_ms=(time.perf_counter() - t0) * 1000.0)
+        return CacheEvent(hit.tier, n_restored=hit.n_usable, restore_ms=(time.perf_counter() - t0) * 1000.0)
+
+    def _load_snapshot(self, snapshot: Snapshot) -> None:
+        """Put the target, the drafter and every source in the state after snapshot.tokens."""
+        n = len(snapshot.tokens)
+        if "target" not in snapshot.parts or (self.drafter is not None) != ("drafter" in snapshot.parts):
+            raise ValueError("the entry does not hold this Session's parts")
+        self._cache.invalidate()
+        self.target.load_sequence(snapshot.parts["target"])
+        if self.target.pos_max(0) + 1 != n:
+            raise RuntimeError(f"the target holds {self.target.pos_max(0) + 1} positions after restoring {n}")
+        self.memory.restored(n)
+        self._cache.commit(snapshot.tokens)
+        for s in self._sources:
+            if s is self._native_source:
+                self.drafter.load_state(snapshot.parts["drafter"])
+                if self.drafter.pos_max() + 1 != n:
+                    raise RuntimeError(f"the drafter holds {self.drafter.pos_max() + 1} positions after restoring {n}")
+                s.restored(n)
+            else:  # its state is a function of the tokens (lookup's n-gram index)
+                s.truncate(0)
+                s.observe(Commit(0, snapshot.tokens))
+
+    def _store_prefix(self, restored: CacheEvent | None) -> CacheEvent | None:
+        """Store the state after this generation (prompt and reply), when every part of it is current: a
+        plain generation leaves the drafter behind the target, and then nothing is stored."""
+        if restored is None:
+            return None
+        n = len(self._cache.tokens)
+        native = self._native_source
+        if n == 0 or self.target.pos_max(0) + 1 != n or (native is not None and native.cached() != n):
+            return restored
+        t0 = time.perf_counter()
+        parts = {"target": self.target.save_sequence()}
+        if native is not None:
+            parts["drafter"] = self.drafter.save_state()
+        stored = self._prompt_cache.store(self._context_id(), Snapshot(tuple(self._cache.tokens), parts),
+                                          supersede=self.memory.reaches_back)
+        return replace(restored, stored=stored, store_ms=(time.perf_counter() - t0) * 1000.0)
 
     def _enter_generation(self) -> None:
         if self._generation_thread == threading.get_ident():
@@ -314,8 +428,9 @@ class Session:
         self._generation_thread = None
         self._generation.release()
 
-    def _start(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
-        """The decode_steps generator for one generation, with its policy."""
+    def _start(self, tokens: list[int], config: GenerationConfig) -> tuple[Iterator[Step], CacheEvent | None]:
+        """The decode_steps generator for one generation, with its policy, and what the prompt cache restored
+        (after the policy: measuring the costs the first time empties the caches)."""
         if self._llama is not None:
             if self._llama.n_tokens:
                 self._forget()  # the wrapped Llama decoded in between: our cached prefix is gone
@@ -332,10 +447,11 @@ class Session:
             # what the grammar forces is drafted for free, first among peers (the verify costs cover this length)
             longest = min(max(s.max_draft for s in sources), self.target.n_batch - 1)
             sources = [ForcedTokenSource(constraint, longest), *sources]
+        restored = self._restore_prefix(tokens)
         return decode_steps(
             self.target, tokens, config, self._cache, memory=self.memory, sources=sources, policy=policy,
             constraint=constraint,
-        )
+        ), restored
 
     def _policy(self, config: GenerationConfig) -> Policy:
         """Fixed blocks from the first source that offers; else one policy pricing every source's offer."""
@@ -524,6 +640,11 @@ def _llama_max_tokens(settings: dict[str, Any]) -> dict[str, Any]:
     if isinstance(n, int) and not isinstance(n, bool) and n <= 0:
         return {**settings, "max_tokens": None}
     return settings
+
+
+def _check_prompt_cache(cache: Any) -> None:
+    if cache is not None and not isinstance(cache, PromptCache):
+        raise TypeError(f"prompt_cache must be a PromptCache or None, got {type(cache).__name__}")
 
 
 def _check_sources(sources: Any) -> list[DraftSource]:

@@ -150,6 +150,11 @@ class NativeDrafterSource(DraftSource):
     def cached(self) -> int:
         return self._n
 
+    def restored(self, n: int) -> None:
+        """The drafter's KV cache was replaced by a saved state of n positions (the prompt cache)."""
+        self._pending.clear()
+        self._n = n
+
     def truncate(self, n: int) -> None:
         self._pending.clear()
         if n < self._n:

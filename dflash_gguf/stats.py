@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
+from .prompt_cache import CacheEvent
 from .steps import DRAFTED_KINDS, Step, StepKind
 
 MIN_BASELINE_CYCLES = 8  # plain cycles needed before their rate is a baseline worth dividing by
@@ -126,6 +127,7 @@ class GenerationStats:
     speculative_disabled_reason: str | None = None
     loop_tokens_per_s: float | None = None  # committed tokens over loop_s: the rate every speedup divides
     confidence: Calibration | None = None  # where the drafts carried confidences (DSpark's head)
+    prompt_cache: CacheEvent | None = None  # what the prompt cache restored and stored (None: no cache)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
