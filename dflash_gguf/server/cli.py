@@ -18,11 +18,13 @@ from typing import Sequence
 
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
 from ..config import GenerationConfig, SessionOptions, add_arguments, from_arguments
-from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
+from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, CacheOptions, ServerConfig
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "type_k", "type_v", "type_k_draft",
+           "type_v_draft")
 GENERATION = ("block_size",)
+CACHE = ("cache_ram", "cache_dir", "cache_disk")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
     add_arguments(p, SessionOptions, SESSION)  # per slot
     add_arguments(p, GenerationConfig, GENERATION)  # server-wide; each request's own fields apply over them
+    add_arguments(p, CacheOptions, CACHE)  # one prompt cache, shared by every slot
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
     p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
@@ -43,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[SessionOptions, GenerationConfig]:
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[SessionOptions, GenerationConfig, CacheOptions]:
     if a.drafter is not None and a.target is None:
         p.error("--drafter needs --target: the embedded drafter belongs to the embedded target")
     for flag, path in (("--target", a.target), ("--drafter", a.drafter)):
@@ -61,7 +64,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
         p.error("--model-alias must not be empty")
     if a.api_key is not None and not a.api_key:
         p.error("--api-key must not be empty")
-    return from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION)
+    return (from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION),
+            from_arguments(p, CacheOptions, a, CACHE))
 
 
 def is_loopback(host: str) -> bool:
@@ -91,10 +95,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def open_sessions(a: argparse.Namespace, options: SessionOptions) -> list:
+def open_sessions(a: argparse.Namespace, options: SessionOptions, cache: CacheOptions | None = None) -> list:
+    """Slot 0 opens the models, the others fork it; all share one prompt cache (if any)."""
+    from ..prompt_cache import PromptCache
     from ..session import Session
 
-    first = Session(a.target, a.drafter, options)
+    prompt_cache = None
+    if cache is not None and cache.enabled:
+        prompt_cache = PromptCache(cache.cache_ram, cache.cache_dir, cache.cache_disk)
+    first = Session(a.target, a.drafter, options, prompt_cache=prompt_cache)
     sessions = [first]
     try:
         for _ in range(a.parallel - 1):
@@ -111,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.api_key is None and os.environ.get("DFLASH_API_KEY"):
         a.api_key = os.environ["DFLASH_API_KEY"]
-    options, generation = _check_args(p, a)
+    options, generation, cache = _check_args(p, a)
     try:
         import uvicorn
 
@@ -130,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        sessions = open_sessions(a, options)
+        sessions = open_sessions(a, options, cache)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         sock.close()
         print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

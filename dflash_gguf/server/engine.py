@@ -57,6 +57,7 @@ class Engine:
     def __init__(self, sessions: list[Session], config: ServerConfig, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
+        metrics.prompt_cache = sessions[0].prompt_cache  # shared by every slot (None: no prompt cache)
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
         template = sessions[0].target.chat_template()

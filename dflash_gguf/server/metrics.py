@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..prompt_cache import PromptCache
 from ..stats import GenerationStats
 
 KNOWN_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health", "/metrics")
@@ -29,6 +30,11 @@ class Metrics:
         self.ttft_seconds = 0.0
         self.ttft_count = 0
         self.queue_seconds = 0.0
+        self.prompt_cache: PromptCache | None = None  # the slots' shared cache: its sizes are read at scrape time
+        self.cache_lookups: Counter[str] = Counter()  # "ram", "disk", "miss": finished generations' lookups
+        self.cache_restored_tokens = 0
+        self.cache_restore_seconds = 0.0
+        self.cache_stores = 0
 
     def count_request(self, path: str, status: int) -> None:
         self.requests[(path if path in KNOWN_ROUTES else "other", status)] += 1
@@ -43,6 +49,12 @@ class Metrics:
         self.drafted += stats.n_drafted
         self.accepted += stats.n_accepted
         self.generation_seconds += seconds
+        event = stats.prompt_cache
+        if event is not None:
+            self.cache_lookups[event.tier or "miss"] += 1
+            self.cache_restored_tokens += event.n_restored
+            self.cache_restore_seconds += event.restore_ms / 1000.0
+            self.cache_stores += event.stored
 
     def count_ttft(self, seconds: float) -> None:
         self.ttft_seconds += seconds
@@ -82,10 +94,34 @@ class Metrics:
                [("", self.queue_seconds)])
         metric("dflash_time_to_first_token_seconds", "summary", "From request to its first token.",
                [("_sum", self.ttft_seconds), ("_count", self.ttft_count)])
+        if self.prompt_cache is not None:
+            self._render_prompt_cache(metric, self.prompt_cache)
         metric("dflash_queue_depth", "gauge", "Requests waiting for a slot.", [("", queue_depth)])
         metric("dflash_slots_busy", "gauge", "Slots generating now.", [("", slots_busy)])
         metric("dflash_slots", "gauge", "Slots (--parallel).", [("", slots)])
         return "\n".join(lines) + "\n"
+
+    def _render_prompt_cache(self, metric, cache: PromptCache) -> None:
+        metric("dflash_prompt_cache_lookups_total", "counter", "Prompt-cache lookups of finished generations, by result.",
+               [(f'{{result="{r}"}}', self.cache_lookups[r]) for r in ("ram", "disk", "miss")])
+        metric("dflash_prompt_cache_restored_tokens_total", "counter", "Prompt tokens restored from the prompt cache.",
+               [("", self.cache_restored_tokens)])
+        metric("dflash_prompt_cache_restore_seconds_total", "counter", "Time spent finding and restoring entries.",
+               [("", self.cache_restore_seconds)])
+        metric("dflash_prompt_cache_stores_total", "counter", "Generations whose end state was stored.",
+               [("", self.cache_stores)])
+        metric("dflash_prompt_cache_bytes", "gauge", "Bytes held by each tier.",
+               [('{tier="ram"}', cache.ram_used), ('{tier="disk"}', cache.disk_used)])
+        metric("dflash_prompt_cache_budget_bytes", "gauge", "Each tier's budget.",
+               [('{tier="ram"}', cache.ram_bytes), ('{tier="disk"}', cache.disk_bytes)])
+        entries = cache.entries
+        metric("dflash_prompt_cache_entries", "gauge", "Entries held by each tier.",
+               [('{tier="ram"}', entries["ram"]), ('{tier="disk"}', entries["disk"])])
+        metric("dflash_prompt_cache_evictions_total", "counter", "Entries evicted to stay in budget, by tier.",
+               [(f'{{tier="{t}"}}', n) for t, n in sorted(cache.counters.evictions.items())])
+        metric("dflash_prompt_cache_rejected_files_total", "counter",
+               "Disk entries that failed their checks (corrupt, truncated, foreign): each a miss and a warning.",
+               [("", cache.counters.rejected_files)])
 
 
 def _num(v: float) -> str:

@@ -28,7 +28,8 @@ class BlockSizes:
 
 
 def llama_timings(stats: GenerationStats) -> dict[str, Any]:
-    """llama-server's `timings`: prompt_n counts the prompt tokens decoded (cache_n those reused)."""
+    """llama-server's `timings`: prompt_n counts the prompt tokens decoded (cache_n those reused: from the
+    slot's live context or restored from the prompt cache)."""
     prompt_n = stats.n_prompt_tokens - stats.n_cached_tokens
     prompt_ms = stats.prefill_s * 1000.0
     predicted_ms = stats.decode_s * 1000.0
@@ -71,6 +72,8 @@ def dflash_figures(stats: GenerationStats, blocks: BlockSizes, *, slot: int, que
         "speculative_disabled_reason": stats.speculative_disabled_reason,
         "memory": stats.memory,
         "memory_extra_bytes": stats.memory_extra_bytes,
+        # the shared prompt cache: tier ("ram", "disk", None = miss), tokens restored, ms; None without a cache
+        "prompt_cache": stats.prompt_cache.as_dict() if stats.prompt_cache is not None else None,
         "slot": slot,
         "queue_ms": queue_ms,
     }
