@@ -273,6 +273,8 @@ class Session:
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
 
+        The prompt cache, shared with other Sessions, is not this Session's to forget: PromptCache.clear() empties it.
+
         Like a generation, it waits for one running on another thread (or raises SessionBusyError, wait=False).
         """
         self._check_open()

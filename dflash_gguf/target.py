@@ -31,10 +31,11 @@ GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
 # KV cache element types as llama.cpp's --cache-type-k/-v name them (common/arg.cpp's kv_cache_types)
 KV_TYPES = {
-    "f32": capi.GGML_TYPE_F32, "f16": capi.GGML_TYPE_F16, "q8_0": capi.GGML_TYPE_Q8_0, "q5_1": capi.GGML_TYPE_Q5_1,
-    "q5_0": capi.GGML_TYPE_Q5_0, "q4_1": capi.GGML_TYPE_Q4_1, "q4_0": capi.GGML_TYPE_Q4_0,
+    "f32": capi.GGML_TYPE_F32, "f16": capi.GGML_TYPE_F16, "bf16": 30,  # ggml.h GGML_TYPE_BF16 (not re-exported)
+    "q8_0": capi.GGML_TYPE_Q8_0, "q4_0": capi.GGML_TYPE_Q4_0, "q4_1": capi.GGML_TYPE_Q4_1,
+    "iq4_nl": capi.GGML_TYPE_IQ4_NL, "q5_0": capi.GGML_TYPE_Q5_0, "q5_1": capi.GGML_TYPE_Q5_1,
 }
-QUANTIZED_KV_TYPES = frozenset(KV_TYPES) - {"f32", "f16"}
+QUANTIZED_KV_TYPES = frozenset(KV_TYPES) - {"f32", "f16", "bf16"}
 STATE_SEQ_MAGIC = 0xAF143CD8  # src/llama-context.cpp io_magic: the first 4 bytes of every llama_state_seq blob
 
 LogitsSpec = Union[bool, str, Sequence[bool]]

@@ -13,7 +13,7 @@ PROMPT = "The three primary colors are"
 
 
 def test_bad_kv_types_are_refused_before_anything_loads(embedded_target):
-    with pytest.raises(SettingError, match="type_k: must be one of f32, f16, q8_0"):
+    with pytest.raises(SettingError, match="type_k: must be one of f32, f16, bf16, q8_0"):
         SessionOptions(type_k="q3_k")
     with pytest.raises(SettingError, match=r"type_v: a quantized V cache \(q4_0\) needs flash_attn=True"):
         SessionOptions(type_v="q4_0", flash_attn=False)

@@ -16,7 +16,7 @@ from dflash_gguf.prompt_cache import PromptCache
 pytestmark = pytest.mark.slow  # the hybrid fixtures are built with upstream's converter
 
 PROMPT = "Good morning! " * 16
-KW = dict(n_ctx=512, n_batch=64, n_threads=1)
+KW = dict(n_ctx=512, n_batch=64, n_threads=1)  # and fixed blocks: every cycle drafts, so every cycle rolls back
 
 
 def run_tokens(session: Session, tokens: list[int], **gen) -> tuple[list[int], object]:
@@ -31,22 +31,22 @@ def test_a_restored_hybrid_prefix_speculates_as_a_cold_prefill(hybrid_models, tm
     with Session(target, drafter, prompt_cache=cache, **KW) as first:
         assert first.memory.name == memory
         prompt = first.tokenize(PROMPT)
-        reply, stats = run_tokens(first, prompt, max_tokens=24)
+        reply, stats = run_tokens(first, prompt, max_tokens=24, block_size=4)
         assert stats.prompt_cache.stored
         # the next turn: the stored prompt + reply, then new tokens (as an agent's next request)
         follow = prompt + reply + first.tokenize(" And then?", add_special=False)
         with first.fork() as other:
-            same, again = run_tokens(other, prompt, max_tokens=24)
+            same, again = run_tokens(other, prompt, max_tokens=24, block_size=4)
     assert again.prompt_cache.tier is None  # an identical prompt re-decodes its last token: the state cannot be cut
     assert same == reply
     with Session(target, drafter, **KW) as cold:
-        expected, cold_stats = run_tokens(cold, follow, max_tokens=24)
+        expected, cold_stats = run_tokens(cold, follow, max_tokens=24, block_size=4)
     assert cold_stats.n_drafted > 0
     with Session(target, drafter, prompt_cache=cache, **KW) as warm:
-        got, stats = run_tokens(warm, follow, max_tokens=24)
+        got, stats = run_tokens(warm, follow, max_tokens=24, block_size=4)
     assert stats.prompt_cache.tier == "ram" and stats.n_cached_tokens >= len(prompt) + len(reply) - 1
     assert got == expected
     with Session(target, drafter, prompt_cache=PromptCache(directory=tmp_path), **KW) as restarted:
-        got, stats = run_tokens(restarted, follow, max_tokens=24)
+        got, stats = run_tokens(restarted, follow, max_tokens=24, block_size=4)
     assert stats.prompt_cache.tier == "disk" and stats.n_cached_tokens >= len(prompt) + len(reply) - 1
     assert got == expected

@@ -26,7 +26,7 @@ SYSTEM = ("You are a coding agent with tools read_file(path), write_file(path, t
     (["--cache-ram", "-1"], "argument --cache-ram: not a size"),
     (["--cache-disk", "lots"], "argument --cache-disk: not a size"),
     (["--cache-dir", "/etc/hostname"], "argument --cache-dir: /etc/hostname exists and is not a directory"),
-    (["--cache-type-k", "q3"], "argument --cache-type-k: must be one of f32, f16, q8_0"),
+    (["--cache-type-k", "q3"], "argument --cache-type-k: must be one of f32, f16, bf16, q8_0"),
 ])
 def test_bad_cache_arguments_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:
