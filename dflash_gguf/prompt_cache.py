@@ -206,24 +206,21 @@ class PromptCache:
         with self._lock:
             if self.directory is not None:
                 self._scan()
-            ram = [(usable(e.tokens), key) for key, e in self._ram.items() if e.context == context]
-            disk = [(usable(e.tokens), name) for name, e in self._disk.items() if e.context == context]
-            best_ram = max(ram, default=(0, None))
-            if best_ram[0] > at_least and best_ram[0] >= max(disk, default=(0, None))[0]:
-                entry = self._ram[best_ram[1]]
-                self._ram.move_to_end(best_ram[1])
-                return self._hit(Hit(entry.snapshot, "ram", best_ram[0]), t0)
-            for n, name in sorted(disk, key=lambda c: -c[0]):
-                if n <= at_least or n <= best_ram[0]:
+            # the most positions first; at equal length RAM before disk (nothing to read)
+            candidates = sorted(
+                [(usable(e.tokens), 1, key) for key, e in self._ram.items() if e.context == context]
+                + [(usable(e.tokens), 0, name) for name, e in self._disk.items() if e.context == context],
+                key=lambda c: (-c[0], -c[1]))
+            for n, in_ram, key in candidates:
+                if n <= at_least:
                     break
-                snapshot = self._read(self._disk[name])
+                if in_ram:
+                    self._ram.move_to_end(key)
+                    return self._hit(Hit(self._ram[key].snapshot, "ram", n), t0)
+                snapshot = self._read(self._disk[key])  # None (a warning) if it fails its checks: try the next
                 if snapshot is not None:
                     self._put_ram(context, snapshot)
                     return self._hit(Hit(snapshot, "disk", n), t0)
-            if best_ram[0] > at_least:
-                entry = self._ram[best_ram[1]]
-                self._ram.move_to_end(best_ram[1])
-                return self._hit(Hit(entry.snapshot, "ram", best_ram[0]), t0)
             self.counters.misses += 1
             return None
 
