@@ -11,8 +11,9 @@ from pathlib import Path
 
 from dflash_gguf import Session
 
-PROMPT = ("You are a coding agent. Read the file and answer.\n\n" + "def add(a, b):\n    return a + b\n\n" * 60
-          + "What does add do? Explain in detail.")
+PROMPT = ("<|im_start|>system\nYou are a coding agent. Read the file and answer.<|im_end|>\n<|im_start|>user\n"
+          + "def add(a, b):\n    return a + b\n\n" * 60 + "What does add do? Explain in detail.<|im_end|>\n"
+          "<|im_start|>assistant\n")
 
 
 def main() -> None:
@@ -22,11 +23,12 @@ def main() -> None:
     p.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0"])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=4, help="fixed, so every cycle drafts (default 4)")
     args = p.parse_args()
     rows = []
     for kv in args.types:
         with Session(args.target, args.drafter, n_ctx=2048, n_threads=args.threads, type_k=kv, type_v=kv) as s:
-            spec = s.generate(PROMPT, max_tokens=args.max_tokens)
+            spec = s.generate(PROMPT, max_tokens=args.max_tokens, block_size=args.block_size)
             n = s.target.pos_max(0) + 1
             target_bytes = len(s.target.save_sequence())
             drafter_bytes = len(s.drafter.save_state()) if s.drafter is not None else 0

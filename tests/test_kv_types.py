@@ -48,7 +48,7 @@ def test_a_quantized_state_is_smaller(embedded_target):
 def test_greedy_speculative_equals_plain_at_the_same_kv_type(kv):
     with Session(n_ctx=512, n_threads=2, type_k=kv, type_v=kv) as s:
         assert (s.target.type_k, s.drafter.type_k, s.drafter.type_v) == (kv, kv, kv)
-        spec = s.generate(PROMPT, max_tokens=48)
+        spec = s.generate(PROMPT, max_tokens=48, block_size=4)  # fixed: every cycle drafts
         s.reset()
         plain = s.generate(PROMPT, max_tokens=48, speculative=False)
     assert spec.stats.n_accepted > 0

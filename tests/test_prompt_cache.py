@@ -200,27 +200,28 @@ def run_tokens(session: Session, tokens: list[int], **gen) -> tuple[list[int], o
 
 @pytest.mark.slow  # four Sessions of the embedded pair, each calibrating its drafter
 def test_a_restored_prefix_decodes_as_a_cold_prefill_from_ram_and_from_disk(tmp_path):
-    """Greedy, speculative: the reply after restoring the state equals the reply after a cold prefill."""
+    """Greedy, speculative (fixed blocks: every cycle drafts): the reply after restoring the state equals the
+    reply after a cold prefill."""
     kw = dict(n_ctx=1024, n_threads=2)
     cache = PromptCache(ram_bytes=1 << 30, directory=tmp_path)
     with Session(prompt_cache=cache, **kw) as first:
-        cold = first.generate(AGENT, max_tokens=24)
+        cold = first.generate(AGENT, max_tokens=24, block_size=4)
         assert cold.stats.prompt_cache.tier is None and cold.stats.prompt_cache.stored
         assert cold.stats.n_cached_tokens == 0
         n_prompt = cold.stats.n_prompt_tokens
         with first.fork() as other:  # another slot: the RAM tier
-            warm = other.generate(AGENT, max_tokens=24)
+            warm = other.generate(AGENT, max_tokens=24, block_size=4)
     assert warm.tokens == cold.tokens and warm.stats.n_drafted > 0
     assert warm.stats.prompt_cache.tier == "ram" and warm.stats.prompt_cache.n_restored == n_prompt - 1
     assert warm.stats.n_cached_tokens == n_prompt - 1
     with Session(prompt_cache=PromptCache(directory=tmp_path), **kw) as restarted:  # a new process's cache
-        disk = restarted.generate(AGENT, max_tokens=24)
+        disk = restarted.generate(AGENT, max_tokens=24, block_size=4)
         assert disk.tokens == cold.tokens
         assert disk.stats.prompt_cache.tier == "disk" and disk.stats.n_cached_tokens == n_prompt - 1
         # the next turn extends the stored prompt + reply: restored whole, only the new tokens prefilled
-        follow = restarted.tokenize(AGENT + cold.text + "\nAnd subtract?")
+        follow = restarted.tokenize(AGENT) + cold.tokens + restarted.tokenize("\nAnd subtract?", add_special=False)
         restarted.reset()  # forget the live context: the cache must serve it
-        turn, stats = run_tokens(restarted, follow, max_tokens=16)
+        turn, stats = run_tokens(restarted, follow, max_tokens=16, block_size=4)
         assert stats.prompt_cache.tier in ("ram", "disk") and stats.n_cached_tokens >= n_prompt
     with Session(**kw) as plain:
-        assert run_tokens(plain, follow, max_tokens=16)[0] == turn
+        assert run_tokens(plain, follow, max_tokens=16, block_size=4)[0] == turn
