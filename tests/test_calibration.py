@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import warnings
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf import Session, calibration_store
+from dflash_gguf.config import SessionOptions, from_arguments
 
 N_CTX, N_BATCH = 512, 64
 
@@ -161,3 +163,13 @@ def test_the_folder_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert calibration_store.directory() == tmp_path / ".cache" / "dflash-gguf" / "calibration"
+
+
+@pytest.mark.parametrize("cli", ["dflash_gguf.cli", "dflash_gguf.server.cli", "dflash_gguf.tui.cli", "dflash_gguf.bench.cli"])
+def test_every_cli_that_opens_a_session_takes_recalibrate(cli):
+    module = importlib.import_module(cli)
+    parser = (getattr(module, "build_parser", None) or module._parser)()
+    positional = ["a prompt"] if cli == "dflash_gguf.cli" else []
+    for argv, expected in ((["--recalibrate"], True), ([], False)):
+        args = parser.parse_args(positional + argv)
+        assert from_arguments(parser, SessionOptions, args, module.SESSION).recalibrate is expected
