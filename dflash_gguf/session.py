@@ -8,15 +8,17 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from . import defaults
+from . import calibration_store, defaults
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
 from .constraints import Constraint, ForcedTokenSource
+from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
@@ -126,6 +128,7 @@ class Session:
         except BaseException:
             tgt.close()
             raise
+        self._recalibrate = o.recalibrate
         self._llama: llama_cpp.Llama | None = None
 
     @classmethod
@@ -195,6 +198,8 @@ class Session:
         self._lookup: LookupSource | None = None
         self._native_source: NativeDrafterSource | None = None
         self._costs: CostModel | None = None  # what every source is priced with, measured once
+        self._recalibrate = False  # measure even where costs are saved for this key (SessionOptions.recalibrate)
+        self.calibration_source: str | None = None  # 'saved' or 'measured' once the costs are known
         unusable = _no_speculation_reason(target, self.memory)
         if unusable is not None:
             self.speculative_disabled_reason = unusable
@@ -299,6 +304,10 @@ class Session:
                 memory=self.memory.name,
                 memory_extra_bytes=self.memory.extra_bytes,
                 speculative_disabled_reason=self.speculative_disabled_reason,
+                backend=self.placement.backend,
+                device=self.placement.device,
+                drafter_device=None if self.drafter_placement is None else self.drafter_placement.device,
+                calibration_source=self.calibration_source,
             )
         finally:
             self._leave_generation()
@@ -354,13 +363,30 @@ class Session:
             if self._native_source is not None:
                 controller = self._controller()
                 if n > max(controller.costs.target.points()):
-                    self._make_room(n)
-                    controller.costs = extend_verify_costs(controller.costs, self.target, memory=self.memory, max_tokens=n)
+                    shorter = controller.costs
+
+                    def extend() -> CostModel:
+                        self._make_room(n)
+                        return extend_verify_costs(shorter, self.target, memory=self.memory, max_tokens=n)
+
+                    controller.costs = self._calibrated({"drafter_block": controller.max_draft + 1, "verify_tokens": n},
+                                                        extend)
                 self._costs = controller.costs
             else:
-                self._make_room(n)
-                self._costs = calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+                def measure() -> CostModel:
+                    self._make_room(n)
+                    return calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+
+                self._costs = self._calibrated({"verify_tokens": n}, measure)
         return self._costs
+
+    def _calibrated(self, measurement: dict[str, int], measure: Callable[[], CostModel]) -> CostModel:
+        """The costs saved for this build, device, models and settings, else measured now and saved
+        (calibration_store); `calibration_source` says which, 'measured' if any part was."""
+        key = calibration_store.session_key(self.target, self.drafter, self.memory, measurement)
+        costs, source = calibration_store.saved_or_measured(key, measure, recalibrate=self._recalibrate)
+        self.calibration_source = source if self.calibration_source in (None, source) else calibration_store.MEASURED
+        return costs
 
     def _make_room(self, n: int) -> None:
         """Empty caches before timing batches of n tokens where the context lacks room, or where a hybrid
@@ -377,10 +403,14 @@ class Session:
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
             # the verify batch: the last token and the drafts, after a one-token prefix at most
             block = min(drafter.max_draft + 1, room - 1, self.target.n_batch)
-            # calibrate on empty caches: the context may be too full, a hybrid memory's turn checkpoints must
-            # not see the timing batches, and the drafter may be behind the target (after plain generations)
-            self._forget()
-            costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
+
+            def measure() -> CostModel:
+                # on empty caches: the context may be too full, a hybrid memory's turn checkpoints must not
+                # see the timing batches, and the drafter may be behind the target (after plain generations)
+                self._forget()
+                return calibrate(self.target, drafter, memory=self.memory, max_block=block)
+
+            costs = self._calibrated({"drafter_block": block}, measure)
             native.controller = BlockController(block - 1, costs)
         return native.controller
 
@@ -403,6 +433,16 @@ class Session:
     def lookup(self) -> bool:
         """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
         return self._lookup is not None
+
+    @cached_property
+    def placement(self) -> Placement:
+        """Where the target's layers are: the backend and device its stats name (CPU unless offloaded)."""
+        return placement(self.target.model, self.target.n_gpu_layers)
+
+    @cached_property
+    def drafter_placement(self) -> Placement | None:
+        """Where the drafter's layers are (n_gpu_layers_draft may keep it off the target's device); None without one."""
+        return None if self.drafter is None else placement(self.drafter._model, self.drafter.n_gpu_layers)
 
     @property
     def n_ctx(self) -> int:

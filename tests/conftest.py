@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf.convert import convert_checkpoint
+from dflash_gguf.calibration_store import ENV_DIR as CALIBRATION_DIR
 from dflash_gguf.defaults import embedded_target as _embedded_target
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_dir(tmp_path_factory, monkeypatch) -> None:
+    """Each test saves and reuses calibration in a folder of its own: none reads another test's costs
+    (or the user's cache), so what a test measures does not depend on the order tests ran in."""
+    monkeypatch.setenv(CALIBRATION_DIR, str(tmp_path_factory.mktemp("calibration")))
 
 
 @pytest.fixture(scope="session")

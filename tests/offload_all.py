@@ -13,33 +13,12 @@ import threading
 
 import pytest
 from llama_cpp import llama_cpp as capi
-from llama_cpp._ggml import libggml
 from llama_cpp._logger import llama_log_callback
+
+from dflash_gguf.backends import gpu_devices
 
 ALL_LAYERS = 0x7FFFFFFF  # what n_gpu_layers=-1 becomes in llama-cpp-python and dflash_gguf.target
 DEVICES = pytest.StashKey[list]()  # the GPU devices found, for the report header
-GPU_TYPES = (1, 2)  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (ggml-backend.h)
-
-libggml.ggml_backend_dev_count.argtypes = []
-libggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-libggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-libggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-for _name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-    getattr(libggml, _name).argtypes = [ctypes.c_void_p]
-    getattr(libggml, _name).restype = ctypes.c_char_p
-libggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-libggml.ggml_backend_dev_type.restype = ctypes.c_int
-
-
-def gpu_devices() -> list[str]:
-    """'name (description)' of each GPU device ggml registered; libllama offloads to these."""
-    capi.llama_backend_init()  # loads the backends of a GGML_BACKEND_DL build; idempotent
-    out = []
-    for i in range(libggml.ggml_backend_dev_count()):
-        dev = libggml.ggml_backend_dev_get(i)
-        if libggml.ggml_backend_dev_type(dev) in GPU_TYPES:
-            out.append(f"{libggml.ggml_backend_dev_name(dev).decode()} ({libggml.ggml_backend_dev_description(dev).decode()})")
-    return out
 
 
 _load = capi.llama_model_load_from_file
@@ -76,7 +55,7 @@ def _load_offloaded(path_model: bytes, params: capi.llama_model_params) -> capi.
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    devices = gpu_devices()
+    devices = [d.label for d in gpu_devices()]
     if not devices:
         raise pytest.UsageError(
             "offload_all: this libllama has no GPU device (a Vulkan build on lavapipe needs GGML_VK_VISIBLE_DEVICES=0)"

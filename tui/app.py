@@ -126,6 +126,7 @@ class ChatApp(App[None]):
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
+        self.title = f"{self.TITLE} · {self.worker.info.device}"  # where it runs: CPU unless layers are offloaded
         self.sub_title = self._subtitle()
         self.set_interval(FLUSH_INTERVAL_S, self._flush)
         self._refresh_stats()

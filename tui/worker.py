@@ -40,6 +40,7 @@ class SessionInfo:
     has_confidence_head: bool
     drafter_block_size: int | None
     lookup: bool  # whether n-gram lookup drafts (next to the drafter, or alone)
+    device: str  # where the target's layers are: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
@@ -50,6 +51,7 @@ class SessionInfo:
             drafter_block_size=None if d is None else d.block_size,
             # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
             lookup=session.lookup,
+            device=session.placement.device,
         )
 
 
