@@ -436,13 +436,13 @@ def plan_tools(template: str | None, tools: Any, tool_choice: Any = None, parall
         return None
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise ToolError("tools", "must be a list of tools")
+    family = detect_family(template)
+    if family is None:
+        raise ToolError("tools", no_tools_reason(template))
     functions = [_function(t, f"tools[{i}]") for i, t in enumerate(tools)]
     names = [f["name"] for f in functions]
     if len(set(names)) < len(names):
         raise ToolError("tools", f"tool names must differ, got {names}")
-    family = detect_family(template)
-    if family is None:
-        raise ToolError("tools", no_tools_reason(template))
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ToolError("parallel_tool_calls", f"must be true or false, got {parallel_tool_calls!r}")
     parallel = family.parallel and parallel_tool_calls is not False
