@@ -75,8 +75,10 @@ def _lit(text: str) -> str:
     return json.dumps(text)
 
 
-# calls are written as the templates write them in the history (tojson: ", " and ": "), with no stray whitespace
-_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+# calls are written as the templates write them in the history (tojson: ", " and ": "), with no stray whitespace;
+# lenient: a keyword llguidance does not implement (propertyNames, ...) is left unenforced instead of failing the
+# request, since agents send the schemas they have (the arguments still parse, and follow what is enforced)
+_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", ", "lenient": True}
 
 
 def _closed(schema: Any) -> Any:
@@ -90,13 +92,18 @@ def _closed(schema: Any) -> Any:
     for k in ("properties", "$defs", "definitions"):
         if isinstance(schema.get(k), dict):
             out[k] = {name: _closed(s) for name, s in schema[k].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
 
 
+def _tool_schema(schema: Mapping[str, Any]) -> str:
+    """A tool's parameters as the JSON text its calls are constrained with."""
+    return schema_text({**_closed(dict(schema)), "x-guidance": _LAYOUT})
+
+
 def _json_rule(schema: Mapping[str, Any]) -> str:
-    return "%json " + schema_text({**_closed(dict(schema)), "x-guidance": _LAYOUT})
+    return "%json " + _tool_schema(schema)
 
 
 def _args_after(text: str, pos: int) -> tuple[str, bool, int]:
@@ -385,7 +392,7 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise ToolError(f"{where}.function.parameters", "must be a JSON schema object")
     try:
-        compile_grammar("json_schema", schema_text(dict(params)))
+        compile_grammar("json_schema", _tool_schema(params))
     except (ValueError, TypeError) as e:
         raise ToolError(f"{where}.function.parameters", f"the schema does not compile: {e}") from None
     out = {"name": name, "parameters": dict(params)}
