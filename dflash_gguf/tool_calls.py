@@ -427,8 +427,7 @@ class ToolPlan:
         s = self.stream()
         s.feed(text)
         s.finish()
-        content = s.content.strip() if s.calls else s.content
-        return content or (None if s.calls else ""), s.calls
+        return s.content or (None if s.calls else ""), s.calls
 
 
 def plan_tools(template: str | None, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
@@ -543,7 +542,8 @@ class ToolStream:
 
     @property
     def content(self) -> str:
-        return self.plan.family.parse(self._text, self._schemas).content if self.plan.parses else self._text
+        """The content given out so far (after finish(): the reply's text around its calls)."""
+        return self._text[: self._content]
 
     def feed(self, text: str) -> Iterator[str | CallDelta]:
         """The new content (str) and call pieces (CallDelta) that `text` completes."""
@@ -560,9 +560,8 @@ class ToolStream:
             self._content = len(self._text)
             return out
         parsed = self.plan.family.parse(self._text, self._schemas)
-        content = parsed.content
-        if final and not parsed.calls:
-            content = self._text
+        # trailing whitespace waits: before a call it is the call's separator, not content
+        content = self._text if final and not parsed.calls else parsed.content.rstrip()
         out: list[str | CallDelta] = []
         if not self._args and len(content) > self._content:
             out.append(content[self._content:])
