@@ -372,6 +372,10 @@ def no_tools_reason(template: str | None) -> str:
 
 
 # -- a request's tools ---------------------------------------------------------------------------------------
+# strict: every call follows its tool's schema here, strict or not
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
 def _function(tool: Any, where: str) -> dict[str, Any]:
     """An OpenAI tool ({"type": "function", "function": {...}}) as its checked function dict."""
     if not isinstance(tool, Mapping):
@@ -381,6 +385,9 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
     fn = tool.get("function")
     if not isinstance(fn, Mapping):
         raise ToolError(f"{where}.function", "a function tool needs its 'function' object")
+    unknown = sorted(set(tool) - {"type", "function"}) + [f"function.{k}" for k in sorted(set(fn) - _FUNCTION_KEYS)]
+    if unknown:
+        raise ToolError(f"{where}.{unknown[0]}", "not a tool field this library knows")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise ToolError(f"{where}.function.name", "a tool needs a non-empty name")

@@ -40,7 +40,8 @@ def base(tool_targets):
 @pytest.fixture(scope="module")
 def url(base):
     session = base.fork()
-    with serve([session], ServerConfig(api_key=KEY, model_alias="smol-tools")) as u:
+    # as the agent recipe in docs/SERVER.md starts it: agents send their own model names
+    with serve([session], ServerConfig(api_key=KEY, model_alias="smol-tools", accept_any_model=True)) as u:
         yield u
     session.close()
 
@@ -133,6 +134,7 @@ BAD_OPENAI = [
      "messages.1.tool_call_id"),
     ({"tools": OPENAI_TOOLS, "tool_choice": "required", "regex": "x"}, "regex"),  # not a field of this API
     ({"tools": OPENAI_TOOLS, "tool_choice": "required", "grammar": "root ::= \"x\""}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "frobnicate": 1}}]}, "tools.0.function.frobnicate"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
 ]
@@ -163,3 +165,48 @@ def test_bad_tool_input_is_a_400_naming_the_field(url):
         # and the server keeps serving
         r = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "tools": OPENAI_TOOLS})
         assert r.status_code == 200
+
+
+# what agents send: schemas written by their tool frameworks ($schema, closed objects, keywords llguidance does
+# not implement), cache_control on system blocks and tools, metadata, strict function tools, usage in streams
+AGENT_SCHEMA = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+                "properties": {"file_path": {"type": "string", "maxLength": 40, "description": "absolute path"},
+                               "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"},
+                                       "additionalProperties": {"type": "string", "maxLength": 8}}},
+                "required": ["file_path"]}
+
+
+def test_an_agent_shaped_anthropic_request_streams(claude):
+    tools = [{"name": "Read", "description": "Read a file", "input_schema": AGENT_SCHEMA},
+             {**ANTHROPIC_TOOLS[0], "cache_control": {"type": "ephemeral"}}]
+    with claude.messages.stream(
+        model="claude-sonnet-4-5", max_tokens=80, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Open /etc/hosts please."}]}],
+        metadata={"user_id": "session-1"}, extra_body={"temperature": 0.0},
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    use = next(b for b in final.content if b.type == "tool_use")
+    schema = AGENT_SCHEMA if use.name == "Read" else WEATHER_SCHEMA
+    jsonschema.validate(use.input, schema)
+
+
+def test_an_agent_shaped_openai_request_streams(oai):
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "strict": True,
+                                               "parameters": AGENT_SCHEMA}}, *OPENAI_TOOLS]
+    pieces, usage = [], None
+    for chunk in oai.chat.completions.create(
+        model="gpt-5-codex", messages=[{"role": "system", "content": "You are a coding agent."},
+                                       {"role": "user", "content": "Open /etc/hosts please."}],
+        tools=tools, tool_choice="required", parallel_tool_calls=True, max_tokens=80, temperature=0.0,
+        stream=True, stream_options={"include_usage": True},
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces += choice.delta.tool_calls or []
+    assert usage is not None and usage.completion_tokens > 0
+    first = [p for p in pieces if p.index == 0]
+    name = first[0].function.name
+    arguments = json.loads("".join(p.function.arguments or "" for p in first))
+    jsonschema.validate(arguments, AGENT_SCHEMA if name == "read_file" else WEATHER_SCHEMA)

@@ -63,6 +63,9 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repeat_penalty: float = Field(default=1.0, ge=0.0)
     parallel_tool_calls: Optional[bool] = None
+    # checked by the Session against the model's template (dflash_gguf.tool_calls), which names the bad field;
+    # wider than llama_cpp's type, which lacks `strict` (sent by OpenAI agents; every call follows its schema)
+    tools: Optional[List[dict[str, Any]]] = None
     # OpenAI's shapes: text, json_object (with llama-cpp-python's optional `schema`), json_schema
     response_format: Optional[dict[str, Any]] = None
     # neutral for a local model: nothing about the reply changes (prefixes are cached whatever the key says;
