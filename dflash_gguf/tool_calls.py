@@ -182,7 +182,9 @@ class Hermes(Family):
     _head = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"(?:arguments|parameters)"\s*:')
 
     def detect(self, template: str) -> bool:
-        return "<tool_call>" in template
+        # JSON inside the tags; GLM, Ling and Laguna (<arg_key>), MiniMax (<invoke>), Spark (a bare name) differ
+        json_call = '{"name": "' in template or '{\\"name\\": ' in template
+        return "<tool_call>" in template and json_call and not any(m in template for m in ("<arg_key>", "<invoke"))
 
     def call(self, tool: Mapping[str, Any], extra: list[str]) -> str:
         head = f'\n{{"name": "{tool["name"]}", "arguments": '
@@ -280,7 +282,7 @@ class Mistral(Family):
     _head = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:')
 
     def detect(self, template: str) -> bool:
-        return "[TOOL_CALLS]" in template
+        return "[TOOL_CALLS]" in template and "[ARGS]" not in template  # [ARGS]: Mistral Small 3.2's newer syntax
 
     def call(self, tool: Mapping[str, Any], extra: list[str]) -> str:
         head = f'{{"name": "{tool["name"]}", "arguments": '
@@ -327,7 +329,9 @@ class Llama3(Family):
     _head = re.compile(r'\s*(?:<\|python_tag\|>)?\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"(?:parameters|arguments)"\s*:')
 
     def detect(self, template: str) -> bool:
-        return "<|start_header_id|>" in template and "tools" in template
+        # Meta's templates answer tools in an ipython turn; Functionary (>>>, <function=) and Firefunction differ
+        return "<|start_header_id|>" in template and "ipython" in template and not any(
+            m in template for m in (">>>", "<function=", "functools"))
 
     def call(self, tool: Mapping[str, Any], extra: list[str]) -> str:
         head = f'{{"name": "{tool["name"]}", "parameters": '

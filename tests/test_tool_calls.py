@@ -16,6 +16,7 @@ from dflash_gguf import Session, defaults
 from dflash_gguf.constraints import Constraint, ConstraintSpec, compile_grammar
 from dflash_gguf.tool_calls import FAMILIES, ToolError, detect_family, plan_tools, prepare_messages
 from tool_fixtures import FAMILIES as FIXTURE_FAMILIES
+from upstream import LLAMA_CPP_SRC
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -54,6 +55,20 @@ def test_each_fixture_template_is_read_as_its_family(tool_targets):
     assert {f.name for f in FAMILIES} == set(FIXTURE_FAMILIES)
     for family in FIXTURE_FAMILIES:
         assert detect_family(tool_targets.template(family)).name == family
+
+
+# templates with <tool_call> / [TOOL_CALLS] / Llama headers whose call syntax is not the family's (upstream's
+# models/templates): each is refused with the reason, never parsed in the wrong syntax
+LOOK_ALIKES = ["GLM-4.6", "MiniMax-M3", "poolside-Laguna-XS.2", "Spark2.5", "Mistral-Small-3.2-24B-Instruct-2506",
+               "meetkai-functionary-medium-v3.1", "fireworks-ai-llama-3-firefunction-v2", "google-gemma-4-31B-it"]
+
+
+@pytest.mark.parametrize("name", LOOK_ALIKES)
+def test_look_alike_templates_are_refused_not_misread(name):
+    template = (LLAMA_CPP_SRC / "models" / "templates" / f"{name}.jinja").read_text()
+    assert detect_family(template) is None
+    with pytest.raises(ToolError, match="none of the known families"):
+        plan_tools(template, [WEATHER])
 
 
 def test_a_template_without_tools_is_a_clear_error():
@@ -171,10 +186,13 @@ def test_tools_and_a_grammar_exclude_each_other(sessions):
 
 
 # -- lossless under speculation, streamed as llama_cpp streams --------------------------------------------------
-@pytest.mark.parametrize("choice", ["required", pytest.param("auto", marks=pytest.mark.slow)])
-def test_greedy_speculative_output_equals_plain_under_the_tool_grammar(sessions, choice):
-    s = sessions("hermes")
-    args = dict(tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=48, temperature=0.0)
+@pytest.mark.parametrize("family, choice", [
+    ("hermes", "required"), pytest.param("hermes", "auto", marks=pytest.mark.slow),
+    pytest.param("qwen3-coder", "required", marks=pytest.mark.slow),  # lazy raw-text values in the grammar
+])
+def test_greedy_speculative_output_equals_plain_under_the_tool_grammar(sessions, family, choice):
+    s = sessions(family)
+    args = dict(tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=72, temperature=0.0)
     s.reset()
     plain = s.chat(ASK, speculative=False, **args)
     s.reset()
