@@ -125,6 +125,7 @@ def test_unstored_and_deleted_responses_are_gone(oai):
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
      400, "invalid_value", "text.format.schema"),
     ({"input": "Hi", "conversation": "conv_1"}, 400, "unsupported_parameter", "conversation"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f"}]}, 400, "tools_unsupported", "tools"),  # no tool template
     ({"input": ""}, 400, "invalid_value", "input"),
     ({"input": "Hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
 ])

@@ -210,3 +210,81 @@ def test_an_agent_shaped_openai_request_streams(oai):
     name = first[0].function.name
     arguments = json.loads("".join(p.function.arguments or "" for p in first))
     jsonschema.validate(arguments, AGENT_SCHEMA if name == "read_file" else WEATHER_SCHEMA)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city",
+                    "parameters": WEATHER_SCHEMA}]
+
+
+def test_responses_tool_loop_whole_and_streamed(oai):
+    """/v1/responses: a function_call output item held to its schema, the same call streamed (the SDK's own
+    accumulator agrees), then its function_call_output continuing the stored response to a text answer that
+    is the chat route's answer to the same history."""
+    args = dict(model="smol-tools", tools=RESPONSES_TOOLS, temperature=0.0, max_output_tokens=60)
+    first = oai.responses.create(input=ASK[0]["content"], tool_choice="required", parallel_tool_calls=False, **args)
+    assert first.status == "completed"
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER_SCHEMA)
+
+    events = list(oai.responses.create(input=ASK[0]["content"], tool_choice="required", parallel_tool_calls=False,
+                                       stream=True, **args))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == [i.type for i in first.output]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(deltas) == json.loads(done.arguments) == arguments
+    assert events[-1].type == "response.completed"
+    with oai.responses.stream(input=ASK[0]["content"], tool_choice="required", parallel_tool_calls=False,
+                              **args) as stream:
+        final = stream.get_final_response()
+    assert [json.loads(i.arguments) for i in final.output if i.type == "function_call"] == [arguments]
+
+    answer = oai.responses.create(input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}],
+                                  previous_response_id=first.id, tool_choice="none", **args)
+    assert answer.output_text and not [i for i in answer.output if i.type == "function_call"]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": RESULT}]
+    chat = oai.chat.completions.create(messages=history, model="smol-tools", tools=OPENAI_TOOLS, tool_choice="none",
+                                       temperature=0.0, max_tokens=60)
+    assert answer.output_text == chat.choices[0].message.content
+    # the first turn was still in the slot: only the tool result and the new turn were prefilled
+    assert answer.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+BAD_RESPONSES = [
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools.0.name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, "tools.0.parameters"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tools": RESPONSES_TOOLS, "input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
+     "input.0.call_id"),
+    ({"tools": RESPONSES_TOOLS, "input": [{"type": "function_call", "call_id": "c1", "name": "get_weather",
+                                           "arguments": "{not json"}]}, "input.0.arguments"),
+]
+
+
+def test_bad_responses_tool_input_is_a_400_naming_the_field(url):
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        for extra, param in BAD_RESPONSES:
+            r = c.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4} | extra)
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and param in err["message"], (extra, err)
+
+
+def test_what_the_openai_sdk_sends_back_is_taken(oai):
+    """An assistant turn of tool calls with content null (what model_dump() gives), system content as text
+    parts, and the `developer` role newer clients send for the system turn."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    history = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, *ASK,
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": RESULT}]
+    with_developer = oai.chat.completions.create(messages=history, model="smol-tools", tools=OPENAI_TOOLS,
+                                                 tool_choice="none", temperature=0.0, max_tokens=12)
+    as_system = oai.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}, *history[1:]],
+                                            model="smol-tools", tools=OPENAI_TOOLS, tool_choice="none",
+                                            temperature=0.0, max_tokens=12)
+    assert with_developer.choices[0].message.content == as_system.choices[0].message.content

@@ -1,11 +1,13 @@
 """POST /v1/responses: the OpenAI Responses API (what Codex-style clients speak), whole or as its event stream.
 
 A request becomes the same chat Job as /v1/chat/completions: `instructions` is the system message,
-`input` the turns (a string, or message items with input_text / output_text parts), `text.format` the
-structured-output constraint. A stored response (`store`, on by default as in OpenAI's API) keeps its
-conversation, so `previous_response_id` continues it: the prompt rendered again starts with the turn
-before, which the slot's live context or the prompt cache already holds. Stored responses live in this
-process (the newest STORED_RESPONSES), retrievable with GET and removable with DELETE.
+`input` the turns (a string, or message / function_call / function_call_output items), `text.format`
+the structured-output constraint, `tools` (function tools) the Session's tools, so a call is held to
+its tool's schema and comes back as a function_call output item. A stored response (`store`, on by
+default as in OpenAI's API) keeps its conversation, so `previous_response_id` continues it: the prompt
+rendered again starts with the turn before, which the slot's live context or the prompt cache already
+holds. Stored responses live in this process (the newest STORED_RESPONSES), retrievable with GET and
+removable with DELETE.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Callable, List, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..tool_calls import CallDelta, ToolCall, ToolStream
 from .engine import Engine, Finished, Run
 from .errors import APIError
 from .openai_routes import check_model
@@ -49,11 +52,11 @@ class ResponsesRequest(BaseModel):
     text: Optional[dict[str, Any]] = None
     tools: Optional[List[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     background: Optional[bool] = None
     include: Optional[List[str]] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     # neutral: echoed or ignored, the reply is the same
-    parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     reasoning: Optional[dict[str, Any]] = None
     stream_options: Optional[dict[str, Any]] = None
@@ -90,9 +93,6 @@ class ResponseStore:
 
 def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]]:
     """The chat Job for a request, and the conversation it continues (previous turns, then this input)."""
-    if req.tools or req.tool_choice not in (None, "none", "auto"):
-        raise _refuse("tools" if req.tools else "tool_choice", "tool calling is not served on /v1/responses yet",
-                      "tools_unsupported")
     if req.background:
         raise _refuse("background", "background responses are not supported: stream it or wait for it")
     if req.truncation == "auto":
@@ -106,27 +106,75 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         conversation = [m for m in conversation if m["role"] != "system"]  # instructions are not carried over
     if req.instructions:
         conversation = [{"role": "system", "content": req.instructions}, *conversation]
-    conversation += _input_messages(req.input)
+    conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())})
     gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
     gen["max_tokens"] = req.max_output_tokens
-    return Job(conversation, None, gen, [], req.stream, True), conversation
+    return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
+               tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls), conversation
 
 
-def _input_messages(items: str | list[dict[str, Any]]) -> list[Message]:
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({type, name, parameters, ...}) in the chat shape the Session checks."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise _refuse(f"tools.{i}.type", f"only function tools are served here, got {tool.get('type')!r}")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise _refuse("tool_choice", "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                  "invalid_value")
+
+
+def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[Message]:
+    """Input items as chat messages: function_call items join the assistant turn before them as its tool
+    calls, a function_call_output is the tool turn answering one of `calls` (those so far, theirs included)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    out = []
+    out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        if kind != "message":
-            raise _refuse(f"input.{i}.type", f"input item {kind!r} is not supported: messages only",
-                          "tools_unsupported" if "call" in kind else "unsupported_parameter")
-        role = _ROLES.get(item.get("role"))
-        if role is None:
-            raise _refuse(f"input.{i}.role", f"must be user, assistant, system or developer, got {item.get('role')!r}",
-                          "invalid_value")
-        out.append({"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")})
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise _refuse(f"input.{i}.role", f"must be user, assistant, system or developer, got {item.get('role')!r}",
+                              "invalid_value")
+            out.append({"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")})
+        elif kind == "function_call":
+            call = _history_call(item, f"input.{i}")
+            calls.add(call["id"])
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item.get("call_id") not in calls:
+                raise _refuse(f"input.{i}.call_id", f"no earlier function_call has the call_id {item.get('call_id')!r}",
+                              "invalid_value")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _parts_text(item.get("output"), f"input.{i}.output")})
+        else:
+            raise _refuse(f"input.{i}.type", f"input item {kind!r} is not supported: messages and function calls are")
     return out
+
+
+def _history_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str) or not item[name]:
+            raise _refuse(f"{where}.{name}", f"a function_call item needs its {name} (a string)", "invalid_value")
+    try:
+        json.loads(item["arguments"])
+    except ValueError:
+        raise _refuse(f"{where}.arguments", "must be the call's arguments as JSON text", "invalid_value") from None
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def _parts_text(content: Any, param: str) -> str:
@@ -158,6 +206,13 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     raise _refuse("text.format.type", f"must be text, json_object or json_schema, got {kind!r}", "invalid_value")
 
 
+def _responses_param(param: str) -> str:
+    """A tool field as the chat route names it (tools.0.function.parameters) in this request's terms."""
+    param = param.replace("tool_choice.function.name", "tool_choice.name")
+    head, dot, rest = param.partition(".function.")
+    return f"{head}.{rest}" if dot and head.startswith("tools.") else param
+
+
 def router(engine: Engine) -> APIRouter:
     r = APIRouter()
     store = ResponseStore()
@@ -166,21 +221,35 @@ def router(engine: Engine) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         the_job, conversation = job(body, store)
-        prepared = engine.prepare(the_job)
+        try:
+            prepared = engine.prepare(the_job)
+        except APIError as e:
+            if e.param is not None and e.param.startswith(("tools", "tool_choice")):
+                e.param = _responses_param(e.param)
+                e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
+            raise
         run = await engine.start(prepared, request)
         shell = _shell(body, engine.config.model_alias)
+        plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
 
-        def finish(f: Finished, item_id: str) -> dict[str, Any]:
-            response = _completed(shell, f, len(prepared.tokens), item_id)
+        def finish(f: Finished, output: _Output) -> dict[str, Any]:
+            """The whole response once the reply's output items are closed; stored when asked."""
+            response = _completed(shell, f, len(prepared.tokens), output.items)
             if body.store:
-                store.put(response, [*conversation, {"role": "assistant", "content": f.text}])
+                turn: Message = {"role": "assistant", "content": output.content}
+                if output.calls:
+                    turn["tool_calls"] = [c.openai() for c in output.calls]
+                store.put(response, [*conversation, turn])
             return response
 
         if body.stream:
-            return stream_response(run, _events(run, shell, finish))
+            return stream_response(run, _events(run, shell, plan.stream() if plan else None, finish))
         async for event in run.events():
             if isinstance(event, Finished):
-                return finish(event, f"msg_{uuid.uuid4().hex}")
+                output = _Output(lambda name, **data: {})  # a whole response: its events go nowhere
+                list(output.feed(plan.stream() if plan else None, event.text, final=True))
+                output.close(_status(event))
+                return finish(event, output)
         raise _CANCELLED
 
     @r.get("/v1/responses/{response_id}")
@@ -198,6 +267,10 @@ def router(engine: Engine) -> APIRouter:
 _CANCELLED = APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
 
 
+def _status(f: Finished) -> str:
+    return "incomplete" if f.finish_reason == "length" else "completed"
+
+
 def _shell(req: ResponsesRequest, model: str) -> dict[str, Any]:
     """The response object before its output: what every event's `response` carries."""
     return {
@@ -206,22 +279,17 @@ def _shell(req: ResponsesRequest, model: str) -> dict[str, Any]:
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "previous_response_id": req.previous_response_id, "store": req.store,
         "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},
-        "tools": [], "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": bool(req.parallel_tool_calls),
+        "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
         "truncation": req.truncation or "disabled", "metadata": req.metadata or {}, "usage": None,
     }
 
 
-def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, item_id: str) -> dict[str, Any]:
-    truncated = f.finish_reason == "length"
+def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, output: list[dict[str, Any]]) -> dict[str, Any]:
+    status = _status(f)
     return {
-        **shell, "status": "incomplete" if truncated else "completed", "completed_at": int(time.time()),
-        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-        "output": [_message(item_id, f.text, "incomplete" if truncated else "completed")],
+        **shell, "status": status, "completed_at": int(time.time()), "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": f.stats.n_cached_tokens},
                   "output_tokens": len(f.tokens), "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": n_prompt + len(f.tokens)},
@@ -229,35 +297,109 @@ def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, item_id: str) 
     }
 
 
-async def _events(run: Run, shell: dict[str, Any], finish: Callable[[Finished, str], dict[str, Any]],
-                  ) -> AsyncIterator[dict[str, str]]:
-    """The Responses stream: created, the message item and its text part opened, text deltas, then each
-    closed and the whole response in response.completed (or response.incomplete at max_output_tokens)."""
+Event = Callable[..., dict[str, str]]
+
+
+class _Output:
+    """The response's output items as the reply is read: a message item for its text, a function_call item
+    per call. Each item opens when its first piece arrives and closes when the next one opens or the reply
+    ends; `event` makes the stream event for each step (a no-op for a whole response)."""
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self.items: list[dict[str, Any]] = []
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self._open: dict[str, Any] | None = None
+
+    def feed(self, reader: ToolStream | None, text: str, *, final: bool = False) -> Iterator[dict[str, str]]:
+        pieces: list[str | CallDelta] = ([text] if text else []) if reader is None else list(reader.feed(text))
+        if reader is not None and final:
+            pieces += reader.finish()
+            self.calls = reader.calls
+        for piece in pieces:
+            yield from self._text(piece) if isinstance(piece, str) else self._call(piece)
+
+    def _text(self, delta: str) -> Iterator[dict[str, str]]:
+        if self._open is None or self._open["type"] != "message":
+            yield from self._open_message()
+        item = self._open
+        item["content"][0]["text"] += delta
+        self.content += delta
+        yield self.event("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
+                         content_index=0, delta=delta, logprobs=[])
+
+    def _open_message(self) -> Iterator[dict[str, str]]:
+        yield from self._close("completed")
+        item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant",
+                "content": []}
+        yield from self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item["content"].append(part)
+        yield self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                         content_index=0, part=part)
+
+    def _call(self, piece: CallDelta) -> Iterator[dict[str, str]]:
+        if piece.id is not None:
+            yield from self._close("completed")
+            yield from self._add({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": piece.id,
+                                  "name": piece.name, "arguments": "", "status": "in_progress"})
+        item = self._open
+        if piece.arguments and item is not None:
+            item["arguments"] += piece.arguments
+            yield self.event("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=len(self.items) - 1, delta=piece.arguments)
+
+    def _add(self, item: dict[str, Any]) -> Iterator[dict[str, str]]:
+        self.items.append(item)
+        self._open = item
+        yield self.event("response.output_item.added", output_index=len(self.items) - 1,
+                         item={**item, "content": []} if item["type"] == "message" else dict(item))
+
+    def _close(self, status: str) -> Iterator[dict[str, str]]:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            yield self.event("response.content_part.done", **where, content_index=0, part=part)
+        else:
+            yield self.event("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        yield self.event("response.output_item.done", output_index=where["output_index"], item=item)
+
+    def close(self, status: str) -> list[dict[str, str]]:
+        """The reply has ended: close what is open, with the events that say so. A reply with neither text
+        nor calls is one empty message, as OpenAI answers it."""
+        opened = [] if self.items else list(self._open_message())
+        return opened + list(self._close(status))
+
+
+async def _events(run: Run, shell: dict[str, Any], reader: ToolStream | None,
+                  finish: Callable[[Finished, _Output], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """The Responses stream: created, each output item opened, its text or arguments in deltas, closed,
+    then the whole response in response.completed (or response.incomplete at max_output_tokens)."""
     sequence = iter(range(1 << 62))
 
     def event(name: str, **data: Any) -> dict[str, str]:
         return {"event": name, "data": json.dumps({"type": name, "sequence_number": next(sequence), **data},
                                                   ensure_ascii=False)}
 
-    item_id = f"msg_{uuid.uuid4().hex}"
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    output = _Output(event)
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
-    yield event("response.output_item.added", output_index=0, item=_message(item_id, "", "in_progress") | {"content": []})
-    yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
     try:
         async for step in run.events():
             if isinstance(step, Finished):
-                response = finish(step, item_id)
-                [message] = response["output"]
-                yield event("response.output_text.done", **where, text=step.text, logprobs=[])
-                yield event("response.content_part.done", **where, part=message["content"][0])
-                yield event("response.output_item.done", output_index=0, item=message)
+                for e in [*output.feed(reader, "", final=True), *output.close(_status(step))]:
+                    yield e
+                response = finish(step, output)
                 yield event(f"response.{response['status']}", response=response)
                 return
-            if step.text:
-                yield event("response.output_text.delta", **where, delta=step.text, logprobs=[])
+            for e in output.feed(reader, step.text):
+                yield e
         raise _CANCELLED
     except APIError as e:
         yield event("error", code=e.code, message=e.message, param=e.param)

@@ -19,6 +19,7 @@ from typing import Annotated, Any, List, Literal, Optional, Union
 import llama_cpp
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import NotRequired, TypedDict
 
 from ..checks import SettingError
 from ..config import GenerationConfig
@@ -31,11 +32,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _SystemMessage(TypedDict):
+    """A system or developer message (newer OpenAI clients send `developer`); its content may be text parts."""
+
+    role: Literal["system", "developer"]
+    content: Optional[Union[str, List[dict[str, Any]]]]
+    name: NotRequired[str]
+
+
+class _AssistantMessage(TypedDict):
+    """An assistant turn as the openai SDK sends it back: content may be null (a turn of tool calls only)
+    or text parts; llama_cpp's type takes a string only."""
+
+    role: Literal["assistant"]
+    content: NotRequired[Optional[Union[str, List[dict[str, Any]]]]]
+    tool_calls: NotRequired[llama_cpp.ChatCompletionMessageToolCalls]
+    function_call: NotRequired[llama_cpp.ChatCompletionRequestAssistantMessageFunctionCall]
+    name: NotRequired[str]
+    refusal: NotRequired[Optional[str]]
+
+
 _OpenAIMessage = Annotated[
     Union[
-        llama_cpp.ChatCompletionRequestSystemMessage,
+        _SystemMessage,
         llama_cpp.ChatCompletionRequestUserMessage,
-        llama_cpp.ChatCompletionRequestAssistantMessage,
+        _AssistantMessage,
         llama_cpp.ChatCompletionRequestToolMessage,
         llama_cpp.ChatCompletionRequestFunctionMessage,
     ],
@@ -212,7 +233,8 @@ def chat_job(req: ChatCompletionRequest) -> Job:
         if role == "function" or m.get("function_call"):
             raise _refuse(f"messages.{i}", "legacy function messages are not supported: use tool_calls and tool "
                           "messages")
-        message: Message = {"role": role, "content": _text_parts(m.get("content"), f"messages.{i}.content")}
+        message: Message = {"role": "system" if role == "developer" else role,
+                            "content": _text_parts(m.get("content"), f"messages.{i}.content")}
         if m.get("tool_calls"):
             message["tool_calls"] = [dict(c) for c in m["tool_calls"]]
         if role == "tool":
