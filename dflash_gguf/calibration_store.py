@@ -124,7 +124,7 @@ def load(key: Mapping[str, Any]) -> CostModel | None:
         model = CostModel(_table(costs["target"]), _table(costs["draft"]),
                           rollback=None if rollback is None else _table(rollback))
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        log.warning("calibration: %s is corrupt (%s); measuring again", path, e or type(e).__name__)
+        log.warning("calibration: %s is corrupt (%s); measuring again", path, str(e) or type(e).__name__)
         return None
     log.info("calibration: reusing the costs saved in %s", path)
     return model
