@@ -72,7 +72,7 @@ def session_key(target: Target, drafter: Drafter | None, memory: TargetMemory,
     context settings of target and drafter, the rollback mechanism, and what was measured (block sizes)."""
     key: dict[str, Any] = {
         "format": FORMAT,
-        "build": {k: v for k, v in backends.build().items() if k != "backends"},
+        "build": backends.build(),
         "target": {"fingerprint": target.fingerprint(), **_model(target.model),
                    "placement": backends.placement(target.model, target.n_gpu_layers).as_dict(),
                    **_context(target.ctx), "flash_attn": target.flash_attn, "n_rs_seq": target.n_rs_seq,
