@@ -3,11 +3,14 @@
 scripts/test_vulkan.sh loads it so that the ordinary lossless tests run unchanged on a device backend:
 targets, drafters and the llama_cpp.Llama references they compare with all pass through
 llama_model_load_from_file, so greedy output is compared with plain decoding on the same backend.
+With DFLASH_OFFLOAD_FLASH_ATTN=off every context is made without flash attention (lavapipe crashes in
+its driver on some flash-attention batches: docs/BACKENDS.md), references and Sessions alike.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import threading
 
@@ -54,6 +57,15 @@ def _load_offloaded(path_model: bytes, params: capi.llama_model_params) -> capi.
     return model
 
 
+_init = capi.llama_init_from_model
+
+
+def _init_without_flash_attn(model: capi.llama_model_p, params: capi.llama_context_params) -> capi.llama_context_p:
+    params = capi.llama_context_params.from_buffer_copy(params)
+    params.flash_attn_type = capi.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return _init(model, params)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     devices = [d.label for d in gpu_devices()]
     if not devices:
@@ -62,8 +74,11 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     config.stash[DEVICES] = devices
     capi.llama_model_load_from_file = _load_offloaded
+    if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off":
+        capi.llama_init_from_model = _init_without_flash_attn
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}"
+    flash = ", flash attention off" if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off" else ""
+    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{flash}"
 
