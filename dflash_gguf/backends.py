@@ -51,7 +51,7 @@ class Device:
     name: str
     description: str
     kind: str  # cpu, gpu, igpu, accel, meta
-    backend: str  # the backend registry's name: CPU, CUDA, Vulkan, Metal, BLAS, ...
+    backend: str  # the backend registry's name: CPU, CUDA, Vulkan, MTL (Metal), BLAS, ...
 
     @property
     def label(self) -> str:

@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
 done
 case "$backend" in
     cuda) cmake_args="-DGGML_CUDA=on" reg=CUDA ngl=-1 ;;
-    metal) cmake_args="-DGGML_METAL=on" reg=Metal ngl=-1 ;;
+    metal) cmake_args="-DGGML_METAL=on" reg=MTL ngl=-1 ;;  # ggml-metal registers as MTL
     cpu) cmake_args="" reg=CPU ngl=0 ;;
 esac
 cmake_args="$cmake_args${GPU_CHECK_CMAKE_ARGS:+ $GPU_CHECK_CMAKE_ARGS}"
@@ -129,6 +129,7 @@ if [ "$skip_bench" = 0 ]; then
     embedded_status=0
     "$py" "${bench[@]}" --name embedded || embedded_status=$?
     hybrid_status=0
+    rm -rf "$work/hybrid"  # built afresh (seconds): the converter refuses to overwrite a drafter
     if fixture=$("$py" tests/hybrid_fixtures.py "$work/hybrid" --bench --archs qwen35 | tail -n 1); then
         read -r hybrid_target _ hybrid_drafter <<<"$fixture"
         "$py" "${bench[@]}" --name hybrid-qwen35 --target "$hybrid_target" --drafter "$hybrid_drafter" || hybrid_status=$?
