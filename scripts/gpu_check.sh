@@ -12,7 +12,8 @@
 # --skip-tier, --skip-bench, --bench-limit N (prompts per category, default 1), --max-tokens N (default 64).
 # The build takes CMAKE_ARGS="-DGGML_CUDA=on" (CUDA toolkit: nvcc on PATH or CUDACXX) or "-DGGML_METAL=on";
 # extra flags can be appended with GPU_CHECK_CMAKE_ARGS (e.g. "-DCMAKE_CUDA_ARCHITECTURES=89").
-# Exit status: 0 when the tier passed and both benchmarks ran, 1 otherwise; the JSON is written either way.
+# Exit status: 0 when the tier passed and both benchmarks ran, 1 otherwise (the JSON is written either way,
+# once the build is in place), 2 for bad arguments or a missing CUDA toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
         --bench-limit) bench_limit="$2"; shift ;;
         --max-tokens) max_tokens="$2"; shift ;;
         --) shift; selection=("$@"); break ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
