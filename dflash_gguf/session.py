@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -30,6 +30,7 @@ from .steps import Step
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
+from .tool_calls import ToolCall, ToolError, ToolPlan, openai_delta, plan_tools, prepare_messages
 
 Message = Mapping[str, Any]
 
@@ -46,10 +47,15 @@ class SessionBusyError(RuntimeError):
 
 @dataclass(frozen=True)
 class Result:
+    """A finished generation. With tools, `tool_calls` holds the calls the model made (finish_reason
+    "tool_calls") and `content` the text around them; `text` is always the whole reply as generated."""
+
     text: str
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
 
 
 def _rs_seq(drafter: str | os.PathLike[str] | None, n_batch: int) -> int:
@@ -242,15 +248,51 @@ class Session:
         """Complete a raw prompt."""
         return self._collect(self.stream(prompt, config, **settings))
 
-    def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Result:
-        """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix."""
-        return self._collect(self.stream_chat(messages, config, **settings))
+    def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
+             tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Result:
+        """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix.
 
-    def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Iterator[Step]:
-        """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
-        config = GenerationConfig.build(config, **settings)
-        prompt, stops = self.render_chat(messages)
-        return self._steps(self.tokenize(prompt, add_special=False), config.with_stops(stops))
+        tools (OpenAI-shaped: [{"type": "function", "function": {"name", "parameters", ...}}]) are rendered by
+        the template; the calls the model makes come back in Result.tool_calls, each one's arguments held to
+        its tool's schema while it is written. tool_choice: "auto" (default), "none", "required" or
+        {"type": "function", "function": {"name": ...}}. Bad tools or tool messages raise ToolError naming the field.
+        """
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        result = self._collect(self._chat_steps(messages, plan, GenerationConfig.build(config, **settings)))
+        if plan is None or not plan.parses:
+            return result
+        content, calls = plan.read(result.text)
+        return replace(result, tool_calls=tuple(calls), content=content,
+                       finish_reason="tool_calls" if calls else result.finish_reason)
+
+    def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
+                    tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Iterator[Step]:
+        """chat(), one Step per decode cycle (the raw reply: read calls from it with tool_plan(...).stream());
+        the template's stop strings are added to the caller's."""
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        return self._chat_steps(messages, plan, GenerationConfig.build(config, **settings))
+
+    def tool_plan(self, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolPlan | None:
+        """The tools checked against this model's chat template: the family that writes and reads the calls,
+        and the grammar the reply follows (None without tools)."""
+        self._check_open()
+        return plan_tools(self.target.chat_template(), tools, tool_choice, parallel_tool_calls)
+
+    def chat_config(self, config: GenerationConfig, plan: ToolPlan | None) -> GenerationConfig:
+        """The config a tool plan generates under: its grammar (tools and a caller's constraint exclude each
+        other), and its family's end-of-turn strings among the stops."""
+        if plan is None:
+            return config
+        if plan.grammar is not None:
+            if config.constraint is not None:
+                kind = config.constraint.kind
+                raise ToolError("tools", f"give tools or a {kind} constraint, not both (the tools bring their own grammar)")
+            config = GenerationConfig.build(config, grammar=plan.grammar)
+        return config.with_stops(plan.family.stops)
+
+    def _chat_steps(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig) -> Iterator[Step]:
+        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
+        return self._steps(self.tokenize(prompt, add_special=False), self.chat_config(config, plan).with_stops(stops))
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
@@ -472,10 +514,14 @@ class Session:
             )
         return tokens
 
-    def render_chat(self, messages: Sequence[Message]) -> tuple[str, list[str]]:
-        """The prompt text from the GGUF's chat template, and the template's stop strings."""
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
+                    ) -> tuple[str, list[str]]:
+        """The prompt text from the GGUF's chat template, and the template's stop strings. `tools` (checked
+        ones, from tool_plan) are passed to the template as transformers and llama-cpp-python pass them;
+        assistant tool calls and tool results in `messages` render through it too."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages = prepare_messages(messages)
         self._check_open()
         template = self.target.chat_template()
         if template is None:
@@ -485,7 +531,7 @@ class Session:
             eos_token=self.target.special_token_text(self.target.eos_token()),
             bos_token=self.target.special_token_text(self.target.bos_token()),
         )
-        response = formatter(messages=list(messages))
+        response = formatter(messages=messages, tools=list(tools) if tools else None)
         stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])
         return response.prompt, [s for s in stops if s]
 
@@ -499,14 +545,54 @@ class Session:
         return self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
 
     def create_chat_completion(
-        self, messages: Sequence[Message], *, stream: bool = False, **settings: Any
+        self, messages: Sequence[Message], *, stream: bool = False, tools: Any = None, tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF."""
-        prompt, stops = self.render_chat(messages)
+        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF; with
+        tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason "tool_calls"."""
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
         tokens = self.tokenize(prompt, add_special=False)
-        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **_llama_max_tokens(settings)).with_stops(stops)
+        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **_llama_max_tokens(settings))
+        config = self.chat_config(config, plan).with_stops(stops)
+        if plan is not None and plan.parses:
+            return self._tool_chunks(tokens, config, plan) if stream else self._tool_completion(tokens, config, plan)
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
+
+    def _chat_header(self) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": str(self.target.path)}
+
+    def _tool_completion(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> dict[str, Any]:
+        result = self._collect(self._steps(tokens, config))
+        content, calls = plan.read(result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        n = len(result.tokens)
+        return {
+            **self._chat_header(), "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "tool_calls" if calls else result.finish_reason}],
+            "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
+        }
+
+    def _tool_chunks(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> Iterator[dict[str, Any]]:
+        head = {**self._chat_header(), "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        yield chunk({"role": "assistant"})
+        reader = plan.stream()
+        for step in self._steps(tokens, config):
+            pieces = list(reader.feed(step.text))
+            if step.finish_reason is not None:
+                pieces += reader.finish()
+            for piece in pieces:
+                yield chunk(openai_delta(piece))
+            if step.finish_reason is not None:
+                yield chunk({}, "tool_calls" if reader.calls else step.finish_reason)
 
     def _completion_header(self) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": str(self.target.path)}

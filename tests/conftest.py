@@ -78,3 +78,14 @@ def dspark(tmp_path_factory, embedded_target):
     from test_dspark import Built
 
     return Built(tmp_path_factory.mktemp("dspark"), embedded_target)
+
+
+# --- tool calling (issue 22) -----------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tool_targets(tmp_path_factory, embedded_target):
+    """Copies of the embedded target carrying each tool family's chat template: `tool_targets.path("hermes")`."""
+    from tool_fixtures import ToolTargets
+
+    return ToolTargets(tmp_path_factory.mktemp("tool_targets"), embedded_target)

@@ -464,7 +464,8 @@ MALFORMED = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, 400, "unsupported_parameter", "echo"),
     ("/v1/messages", {"model": "smol", "messages": ask("Hi")}, 400, "invalid_value", "max_tokens"),
-    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "tools": [{"name": "f"}]},
+    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"),
+                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
      400, "tools_unsupported", "tools"),
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "output_config": {"format": {
         "type": "json_schema", "schema": {"type": "nonsense"}}}}, 400, "invalid_value", "output_config.format.schema"),
