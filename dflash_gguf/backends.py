@@ -9,7 +9,6 @@ n_gpu_layers=0 still runs on the CPU.
 from __future__ import annotations
 
 import ctypes
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,8 @@ _dev_description = _ggml("ggml_backend_dev_description", [ctypes.c_void_p], ctyp
 _dev_type = _ggml("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int)
 _dev_reg = _ggml("ggml_backend_dev_backend_reg", [ctypes.c_void_p], ctypes.c_void_p)
 _reg_name = _ggml("ggml_backend_reg_name", [ctypes.c_void_p], ctypes.c_char_p)
+_reg_count = _ggml("ggml_backend_reg_count", [], ctypes.c_size_t)
+_reg_get = _ggml("ggml_backend_reg_get", [ctypes.c_size_t], ctypes.c_void_p)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Device:
     name: str
     description: str
     kind: str  # cpu, gpu, igpu, accel, meta
-    backend: str  # the backend registry's name: CPU, CUDA, Vulkan, Metal, BLAS, ...
+    backend: str  # the backend registry's name: CPU, CUDA, Vulkan, MTL (Metal), BLAS, ...
 
     @property
     def label(self) -> str:
@@ -84,24 +85,26 @@ def gpu_devices() -> list[Device]:
     return [d for d in devices() if d.kind in GPU_KINDS]
 
 
-def backends(info: str | None = None) -> str:
-    """The ggml backends libllama's system info lists (CPU features come under 'CPU :'), e.g. 'CUDA, CPU'."""
-    names = re.findall(r"(\w+) :", system_info() if info is None else info)
-    return ", ".join(dict.fromkeys(names)) or "unknown"
+def backends() -> str:
+    """The ggml backends registered (built in, or loaded by a GGML_BACKEND_DL build), e.g. 'Vulkan, CPU'.
+
+    From ggml's registry: libllama's system info lists only backends with features to show (the CPU's).
+    """
+    init_backend()
+    return ", ".join(_text(_reg_name(_reg_get(i))) for i in range(_reg_count())) or "unknown"
 
 
 def build() -> dict[str, Any]:
     """What identifies the loaded libllama build: its package version, the shared object, its system info
-    (backends and CPU features compiled in) and the devices it found."""
-    info = system_info()
+    (the CPU features compiled in), its backends and the devices they found."""
     lib = Path(capi._lib._name)
     try:
         stat = lib.stat()
         file = {"path": str(lib), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     except OSError:
         file = {"path": str(lib)}
-    return {"llama_cpp_python": llama_cpp.__version__, "libllama": file, "system_info": info,
-            "backends": backends(info), "devices": [d.as_dict() for d in devices()]}
+    return {"llama_cpp_python": llama_cpp.__version__, "libllama": file, "system_info": system_info(),
+            "backends": backends(), "devices": [d.as_dict() for d in devices()]}
 
 
 @dataclass(frozen=True)

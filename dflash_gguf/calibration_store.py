@@ -72,7 +72,7 @@ def session_key(target: Target, drafter: Drafter | None, memory: TargetMemory,
     context settings of target and drafter, the rollback mechanism, and what was measured (block sizes)."""
     key: dict[str, Any] = {
         "format": FORMAT,
-        "build": {k: v for k, v in backends.build().items() if k != "backends"},
+        "build": backends.build(),
         "target": {"fingerprint": target.fingerprint(), **_model(target.model),
                    "placement": backends.placement(target.model, target.n_gpu_layers).as_dict(),
                    **_context(target.ctx), "flash_attn": target.flash_attn, "n_rs_seq": target.n_rs_seq,
@@ -124,7 +124,7 @@ def load(key: Mapping[str, Any]) -> CostModel | None:
         model = CostModel(_table(costs["target"]), _table(costs["draft"]),
                           rollback=None if rollback is None else _table(rollback))
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        log.warning("calibration: %s is corrupt (%s); measuring again", path, e or type(e).__name__)
+        log.warning("calibration: %s is corrupt (%s); measuring again", path, str(e) or type(e).__name__)
         return None
     log.info("calibration: reusing the costs saved in %s", path)
     return model

@@ -126,7 +126,7 @@ class GenerationStats:
     speculative_disabled_reason: str | None = None
     loop_tokens_per_s: float | None = None  # committed tokens over loop_s: the rate every speedup divides
     confidence: Calibration | None = None  # where the drafts carried confidences (DSpark's head)
-    backend: str | None = None  # where the target's layers ran: CPU, Vulkan, CUDA, Metal ('CUDA, CPU': partly offloaded)
+    backend: str | None = None  # where the target's layers ran: CPU, Vulkan, CUDA, MTL (Metal); 'CUDA, CPU': partly offloaded
     device: str | None = None  # the target's device: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
     drafter_device: str | None = None  # the drafter's, which n_gpu_layers_draft may make another; None without one
     calibration_source: str | None = None  # the cost model: 'saved' (reused from disk), 'measured', None (not needed)

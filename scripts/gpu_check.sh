@@ -12,7 +12,8 @@
 # --skip-tier, --skip-bench, --bench-limit N (prompts per category, default 1), --max-tokens N (default 64).
 # The build takes CMAKE_ARGS="-DGGML_CUDA=on" (CUDA toolkit: nvcc on PATH or CUDACXX) or "-DGGML_METAL=on";
 # extra flags can be appended with GPU_CHECK_CMAKE_ARGS (e.g. "-DCMAKE_CUDA_ARCHITECTURES=89").
-# Exit status: 0 when the tier passed and both benchmarks ran, 1 otherwise; the JSON is written either way.
+# Exit status: 0 when the tier passed and both benchmarks ran, 1 otherwise (the JSON is written either way,
+# once the build is in place), 2 for bad arguments or a missing CUDA toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -31,14 +32,14 @@ while [ $# -gt 0 ]; do
         --bench-limit) bench_limit="$2"; shift ;;
         --max-tokens) max_tokens="$2"; shift ;;
         --) shift; selection=("$@"); break ;;
-        -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
 case "$backend" in
     cuda) cmake_args="-DGGML_CUDA=on" reg=CUDA ngl=-1 ;;
-    metal) cmake_args="-DGGML_METAL=on" reg=Metal ngl=-1 ;;
+    metal) cmake_args="-DGGML_METAL=on" reg=MTL ngl=-1 ;;  # ggml-metal registers as MTL
     cpu) cmake_args="" reg=CPU ngl=0 ;;
 esac
 cmake_args="$cmake_args${GPU_CHECK_CMAKE_ARGS:+ $GPU_CHECK_CMAKE_ARGS}"
@@ -129,6 +130,7 @@ if [ "$skip_bench" = 0 ]; then
     embedded_status=0
     "$py" "${bench[@]}" --name embedded || embedded_status=$?
     hybrid_status=0
+    rm -rf "$work/hybrid"  # built afresh (seconds): the converter refuses to overwrite a drafter
     if fixture=$("$py" tests/hybrid_fixtures.py "$work/hybrid" --bench --archs qwen35 | tail -n 1); then
         read -r hybrid_target _ hybrid_drafter <<<"$fixture"
         "$py" "${bench[@]}" --name hybrid-qwen35 --target "$hybrid_target" --drafter "$hybrid_drafter" || hybrid_status=$?

@@ -38,7 +38,7 @@ def machine_info(n_threads: int) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "n_threads": n_threads,
-        "backend": backends(info),
+        "backend": backends(),
         "system_info": info,
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
         "ggml": ggml_version(),
