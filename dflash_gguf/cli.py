@@ -21,8 +21,8 @@ from .stats import GenerationStats, generation_speedup
 
 
 GENERATION = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size")
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "type_k", "type_v", "type_k_draft",
-           "type_v_draft")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", "type_k", "type_v",
+           "type_k_draft", "type_v_draft")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,8 +21,8 @@ from ..config import GenerationConfig, SessionOptions, add_arguments, from_argum
 from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, CacheOptions, ServerConfig
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "type_k", "type_v", "type_k_draft",
-           "type_v_draft")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", "type_k", "type_v",
+           "type_k_draft", "type_v_draft")
 GENERATION = ("block_size",)
 CACHE = ("cache_ram", "cache_dir", "cache_disk")
 
