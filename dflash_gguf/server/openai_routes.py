@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Request
 from llama_cpp.llama_types import CreateChatCompletionResponse, CreateCompletionResponse
 from llama_cpp.server.types import ModelList
 
+from ..logprobs import CompletionLogprobs, chat_logprobs
+from ..steps import TokenLogprob
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
@@ -49,13 +51,15 @@ def router(engine: Engine) -> APIRouter:
         job = chat_job(body, engine.template_has_tools)
         run = await engine.start(engine.prepare(job), request)
         header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        token_bytes = engine.pool.slots[0].session.target.token_bytes
+        logprobs = (lambda entries: chat_logprobs(entries, token_bytes)) if job.gen.get("logprobs") is not None else None
         if job.stream:
-            return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage)))
+            return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
         out: CreateChatCompletionResponse = {
             **header, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text}, "logprobs": None,
-                         "finish_reason": f.finish_reason}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text},
+                         "logprobs": logprobs(f.logprobs) if logprobs else None, "finish_reason": f.finish_reason}],
             "usage": _usage(f),
         }
         return {**out, "timings": f.timings, "dflash": f.dflash}
@@ -66,12 +70,16 @@ def router(engine: Engine) -> APIRouter:
         job = completion_job(body)
         run = await engine.start(engine.prepare(job), request)
         header = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        logprobs = None
+        if job.gen.get("logprobs") is not None:  # llama_cpp's shape; text offsets count from the end of the prompt
+            logprobs = CompletionLogprobs(engine.pool.slots[0].session.target.token_bytes, len(job.prompt))
         if job.stream:
-            return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage)))
+            return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
         out: CreateCompletionResponse = {
             **header, "object": "text_completion",
-            "choices": [{"text": f.text, "index": 0, "logprobs": None, "finish_reason": f.finish_reason}],
+            "choices": [{"text": f.text, "index": 0, "logprobs": logprobs(f.logprobs) if logprobs else None,
+                         "finish_reason": f.finish_reason}],
             "usage": _usage(f),
         }
         return {**out, "timings": f.timings, "dflash": f.dflash}
@@ -99,7 +107,11 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str,
     yield {"data": "[DONE]"}
 
 
-async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+LogprobShape = Callable[[Sequence[TokenLogprob]], dict[str, Any]]
+
+
+async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool,
+                       logprobs: LogprobShape | None = None) -> AsyncIterator[dict[str, Any]]:
     head = {**header, "object": "chat.completion.chunk"}
     yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}]}
@@ -111,13 +123,15 @@ async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool) ->
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
             return
-        if event.text:
-            yield {**head, "choices": [{"index": 0, "delta": {"content": event.text}, "logprobs": None,
+        if event.text or (logprobs and event.logprobs):
+            yield {**head, "choices": [{"index": 0, "delta": {"content": event.text},
+                                        "logprobs": logprobs(event.logprobs) if logprobs else None,
                                         "finish_reason": None}]}
     raise _CANCELLED
 
 
-async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool,
+                             logprobs: LogprobShape | None = None) -> AsyncIterator[dict[str, Any]]:
     head = {**header, "object": "text_completion"}
     async for event in run.events():
         if isinstance(event, Finished):
@@ -126,6 +140,8 @@ async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bo
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
             return
-        if event.text:
-            yield {**head, "choices": [{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}]}
+        if event.text or (logprobs and event.logprobs):
+            yield {**head, "choices": [{"text": event.text, "index": 0,
+                                        "logprobs": logprobs(event.logprobs) if logprobs else None,
+                                        "finish_reason": None}]}
     raise _CANCELLED
