@@ -133,6 +133,7 @@ def decode_steps(
         raise ValueError("speculative decoding needs a Policy")
     by_name = {s.name: s for s in active}
     params = config.sampling
+    params.check_vocab(target.n_vocab)
     rng = params.rng()
     text = TextStream(target, config.stop)
     max_tokens = n_ctx if config.max_tokens is None else config.max_tokens  # None: until the context is full

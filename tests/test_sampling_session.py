@@ -21,15 +21,15 @@ from dflash_gguf.checks import SettingError
 from dflash_gguf.sampling import SamplingParams, adjusted_logits, log_softmax, probabilities
 
 N_CTX = 512
-N = 32
+N = 24
 PROMPTS = ["Write a list of fruits: apple, banana,", "def add(a, b):\n    return a + b\n\ndef sub(a, b):"]
 GREEDY = [
     dict(repeat_penalty=1.5),
     dict(repeat_penalty=0.7, repeat_last_n=8),
     dict(frequency_penalty=1.0, presence_penalty=0.5),
     dict(presence_penalty=-0.5, repeat_last_n=-1),
-    dict(logit_bias={11: -100.0, 28: 2.0}),  # "," banned-ish, "." favoured
-    dict(repeat_penalty=1.3, logit_bias={11: -1.5}, min_p=0.3),  # min_p changes no argmax
+    dict(logit_bias={28: -100.0, 30: 2.0}),  # "," all but banned, "." favoured
+    dict(repeat_penalty=1.3, logit_bias={28: -1.5}, min_p=0.3),  # min_p changes no argmax
 ]
 
 
@@ -61,16 +61,18 @@ def plain(embedded_target):
 
 
 @pytest.mark.parametrize("settings", GREEDY, ids=lambda d: ",".join(d))
-@pytest.mark.parametrize("which", ["random_drafter", "trained", "lookup"])
+@pytest.mark.parametrize("which", [pytest.param("random_drafter", marks=pytest.mark.slow), "trained", "lookup"])
 def test_greedy_speculative_equals_plain_with_each_setting(request, which, settings):
     s = request.getfixturevalue(which)
+    drafted = accepted = 0
     for prompt in PROMPTS:
         want = s.generate(prompt, max_tokens=N, speculative=False, **settings)
         got = s.generate(prompt, max_tokens=N, block_size=5, **settings)
         assert got.tokens == want.tokens, (which, prompt)
-        assert got.stats.n_drafted > 0
+        drafted, accepted = drafted + got.stats.n_drafted, accepted + got.stats.n_accepted
+    assert drafted > 0
     if which == "trained":
-        assert got.stats.n_accepted > 0  # accepted drafts: later rows counted them
+        assert accepted > 0  # accepted drafts: later rows counted them
 
 
 def test_the_settings_change_the_output(trained):
@@ -78,8 +80,8 @@ def test_the_settings_change_the_output(trained):
     base = trained.generate(PROMPTS[0], max_tokens=N, speculative=False).tokens
     for settings in GREEDY:
         assert trained.generate(PROMPTS[0], max_tokens=N, speculative=False, **settings).tokens != base, settings
-    banned = trained.generate(PROMPTS[0], max_tokens=N, block_size=5, logit_bias={11: -float("inf")}).tokens
-    assert 11 not in banned and 11 in base
+    banned = trained.generate(PROMPTS[0], max_tokens=N, block_size=5, logit_bias={28: -float("inf")}).tokens
+    assert 28 not in banned and 28 in base  # ","
 
 
 def llama_penalised_greedy(path, prompt: str, n: int, **penalties) -> list[int]:
@@ -165,7 +167,7 @@ CHI_PROMPT = "one two three one two three one two"
 ALPHA = 1e-3
 SAMPLED = [
     dict(temperature=1.0, repeat_penalty=2.0, presence_penalty=1.0),
-    dict(temperature=0.8, frequency_penalty=1.5, min_p=0.02, logit_bias={1573: 1.5}),
+    dict(temperature=0.8, frequency_penalty=1.5, min_p=0.02, logit_bias={1296: 1.5}),
     dict(temperature=1.2, top_k=30, top_p=0.9, min_p=0.05, repeat_penalty=1.6, repeat_last_n=1),
 ]
 
