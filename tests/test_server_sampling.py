@@ -88,7 +88,7 @@ def test_completion_logprobs_in_llama_cpps_shape(oai, ref):
 
 @pytest.mark.parametrize("settings", [
     dict(frequency_penalty=1.0, presence_penalty=0.5),
-    dict(logit_bias={"28": -100}),  # ","
+    dict(logit_bias={"30": -100}),  # "."
     dict(extra_body={"repeat_penalty": 1.4, "repeat_last_n": 16, "min_p": 0.1}),
 ])
 def test_penalised_replies_equal_plain_session_chat(oai, ref, settings):
