@@ -20,7 +20,7 @@ from .config import GenerationConfig
 from .constraints import Constraint
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
-from .sampling import SamplingParams, adjusted_logits, greedy_tokens, log_softmax, probabilities, sample_token, top_logprobs
+from .sampling import SamplingParams, adjusted_logits, greedy_tokens, probabilities, sample_token, token_logprobs
 from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import Step, StepKind, TokenLogprob, TokenSource
 from .target import Target
@@ -151,8 +151,7 @@ def decode_steps(
     def logprobs_of(raw: np.ndarray, chosen: Sequence[int]) -> list[TokenLogprob] | None:
         if n_logprobs is None:
             return None
-        rows = log_softmax(raw[: len(chosen)])
-        return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(chosen, top_logprobs(rows, chosen, n_logprobs))]
+        return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(chosen, token_logprobs(raw, chosen, n_logprobs))]
 
     keep = min([cache.common_prefix(prompt)] + [s.cached() for s in active])
     keep = memory.truncate(keep)

@@ -254,26 +254,25 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs.reshape(x.shape)
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64: the model's own log-probabilities (what `logprobs` reports)."""
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For row i of raw logits: (log-softmax at tokens[i], the n_top likeliest (id, logprob), likeliest first).
 
-
-def top_logprobs(logprobs: np.ndarray, tokens: Sequence[int], n_top: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-    """For row i: (logprob of tokens[i], its n_top likeliest (id, logprob), likeliest first)."""
-    out = []
-    vocab = logprobs.shape[-1]
+    The model's own log-probabilities (what `logprobs` reports); only the entries asked for are formed, the
+    normaliser summed in float64 over float32 exponentials.
+    """
+    x = np.asarray(logits, dtype=np.float32)[: len(tokens)]
+    vocab = x.shape[-1]
+    peak = x.max(axis=-1, keepdims=True)
+    lse = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=-1, dtype=np.float64))
     k = min(n_top, vocab)
-    for row, token in zip(logprobs, tokens):
+    out = []
+    for row, norm, token in zip(x, lse, tokens):
+        top: tuple[tuple[int, float], ...] = ()
         if k:
             ids = np.argpartition(row, vocab - k)[vocab - k :]
             ids = ids[np.argsort(-row[ids], kind="stable")]
-            top = tuple((int(i), float(row[i])) for i in ids)
-        else:
-            top = ()
-        out.append((float(row[int(token)]), top))
+            top = tuple((int(i), float(row[i]) - float(norm)) for i in ids)
+        out.append((float(row[int(token)]) - float(norm), top))
     return out
 
 

@@ -17,7 +17,7 @@ import pytest
 from llama_cpp import _internals
 
 from dflash_gguf.checks import SettingError
-from dflash_gguf.sampling import SamplingParams, adjusted_logits, greedy_tokens, log_softmax, probabilities, top_logprobs
+from dflash_gguf.sampling import SamplingParams, adjusted_logits, greedy_tokens, probabilities, token_logprobs
 
 V = 4096
 
@@ -147,10 +147,19 @@ def test_logit_bias_is_normalised_and_checked_against_the_vocabulary():
 
 
 def test_logprobs_are_the_log_softmax_with_the_likeliest_first():
-    logits = np.log(np.array([[1.0, 2.0, 3.0, 4.0]]))
-    lp = log_softmax(logits)
-    np.testing.assert_allclose(np.exp(lp), [[0.1, 0.2, 0.3, 0.4]])
-    [(chosen, top)] = top_logprobs(lp, [1], 2)
-    assert chosen == pytest.approx(math.log(0.2))
+    logits = np.log(np.array([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])) + 7.0
+    [(chosen, top), (other, _)] = token_logprobs(logits, [1, 1], 2)
+    assert chosen == pytest.approx(math.log(0.2)) and other == pytest.approx(math.log(0.3))
     assert [t for t, _ in top] == [3, 2] and top[0][1] == pytest.approx(math.log(0.4))
-    assert top_logprobs(lp, [0], 0)[0][1] == ()
+    assert token_logprobs(logits, [0], 0) == [(pytest.approx(math.log(0.1)), ())]  # rows past the tokens: unread
+    big = np.random.default_rng(0).standard_normal((3, 49152)).astype(np.float32) * 5
+    want = torch_log_softmax(big)
+    for i, (lp, top) in enumerate(token_logprobs(big, [0, 1, 2], 5)):
+        assert lp == pytest.approx(want[i, i], abs=1e-5)
+        assert [t for t, _ in top] == list(np.argsort(-want[i])[:5])
+
+
+def torch_log_softmax(x: np.ndarray) -> np.ndarray:
+    import torch
+
+    return torch.log_softmax(torch.from_numpy(x).double(), dim=-1).numpy()

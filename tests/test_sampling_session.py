@@ -18,7 +18,7 @@ from chi_square import chi_square_p_value
 
 from dflash_gguf import Session, Target
 from dflash_gguf.checks import SettingError
-from dflash_gguf.sampling import SamplingParams, adjusted_logits, log_softmax, probabilities
+from dflash_gguf.sampling import SamplingParams, adjusted_logits, probabilities
 
 N_CTX = 512
 N = 24
@@ -119,7 +119,9 @@ def test_logprobs_are_the_targets_log_softmax(trained, plain):
     prompt = plain.tokenize(PROMPTS[0])
     plain.clear()
     plain.decode(prompt + r.tokens[:-1], 0, logits=True)
-    rows = log_softmax(plain.output_logits()[len(prompt) - 1 :])
+    x = plain.output_logits()[len(prompt) - 1 :].astype(np.float64)
+    rows = x - x.max(axis=1, keepdims=True)
+    rows -= np.log(np.exp(rows).sum(axis=1, keepdims=True))  # the log-softmax, by hand
     for entry, token, row in zip(r.logprobs, r.tokens, rows):
         assert entry.token == token
         assert entry.logprob == pytest.approx(row[token], abs=2e-3)
@@ -163,17 +165,19 @@ def test_bad_settings_are_named(lookup, settings, field):
 
 
 # -- sampled: the law of the third token -------------------------------------------------------
-CHI_PROMPT = "one two three one two three one two"
+CHI_PROMPT = "The capital of France is"
 ALPHA = 1e-3
+NO_EOG = {0: -float("inf"), 2: -float("inf"), 4: -float("inf")}  # the embedded target's end-of-generation ids:
+# every reply then has its 3 tokens, so conditioning on length 3 selects nothing
 SAMPLED = [
-    dict(temperature=1.0, repeat_penalty=2.0, presence_penalty=1.0),
-    dict(temperature=0.8, frequency_penalty=1.5, min_p=0.02, logit_bias={1296: 1.5}),
-    dict(temperature=1.2, top_k=30, top_p=0.9, min_p=0.05, repeat_penalty=1.6, repeat_last_n=1),
+    dict(temperature=1.0, top_k=8, repeat_penalty=2.0, presence_penalty=1.0, logit_bias=NO_EOG),
+    dict(temperature=0.8, frequency_penalty=1.5, min_p=0.02, logit_bias={**NO_EOG, 198: 1.0}),
+    dict(temperature=1.2, top_k=30, top_p=0.9, min_p=0.05, repeat_penalty=1.6, repeat_last_n=1, logit_bias=NO_EOG),
 ]
 
 
 def exact_row(plain: Target, tokens: list[int], history: list[int], settings: dict) -> np.ndarray:
-    params = SamplingParams(**{k: v for k, v in settings.items()})
+    params = SamplingParams(**settings)
     plain.clear()
     plain.decode(tokens, 0)
     row = adjusted_logits(plain.logits(len(tokens) - 1)[None], params, [params.window(history, N_CTX)])
@@ -182,17 +186,20 @@ def exact_row(plain: Target, tokens: list[int], history: list[int], settings: di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", SAMPLED, ids=lambda d: ",".join(d))
-@pytest.mark.parametrize("which", ["random_drafter", "lookup"])
+@pytest.mark.parametrize("which", ["random_drafter", "trained", "lookup"])
 def test_sampled_third_token_follows_the_penalised_target(request, plain, which, settings):
+    """Blocks of 3: the third token's row follows the second, drafted in the same block when the first was."""
     s = request.getfixturevalue(which)
     runs = [s.generate(CHI_PROMPT, max_tokens=3, seed=seed, block_size=3, **settings) for seed in range(300)]
-    assert sum(r.stats.n_drafted for r in runs) > 0
-    replies = [r.tokens for r in runs if len(r.tokens) == 3]
-    head = Counter(tuple(t[:2]) for t in replies).most_common(1)[0][0]
-    third = [t[2] for t in replies if tuple(t[:2]) == head]
-    assert len(third) >= 60, (head, len(third))
+    assert all(len(r.tokens) == 3 for r in runs)
+    assert sum(r.stats.n_drafted for r in runs) > 0 or which == "lookup"
     prompt = plain.tokenize(CHI_PROMPT)
-    assert chi_square_p_value(third, exact_row(plain, prompt + list(head), list(head), settings)) > ALPHA
-    # the same samples against the unpenalised row: the check can tell the difference
-    unpenalised = {k: v for k, v in settings.items() if k in ("temperature", "top_k", "top_p", "min_p")}
-    assert chi_square_p_value(third, exact_row(plain, prompt + list(head), list(head), unpenalised)) < ALPHA
+    first = [r.tokens[0] for r in runs]
+    assert chi_square_p_value(first, exact_row(plain, prompt, [], settings)) > ALPHA
+    head = Counter(tuple(r.tokens[:2]) for r in runs).most_common(1)[0][0]
+    third = [r.tokens[2] for r in runs if tuple(r.tokens[:2]) == head]
+    assert len(third) >= 60, (head, len(third))
+    want = exact_row(plain, prompt + list(head), list(head), settings)
+    assert chi_square_p_value(third, want) > ALPHA
+    unpenalised = {k: v for k, v in settings.items() if k in ("temperature", "top_k", "top_p", "min_p", "logit_bias")}
+    assert np.abs(want - exact_row(plain, prompt + list(head), [], unpenalised)).sum() > 0.01  # the history acted
