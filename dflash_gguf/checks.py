@@ -64,7 +64,8 @@ def real(low: float, high: float = math.inf, *, low_open: bool = False, note: st
     def check(value: Any) -> float:
         ok = is_real(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
         if not ok:
-            span = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+            span = (f"in {'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high)
+                    else f"{'>' if low_open else '>='} {low:g}")
             raise ValueError(f"must be a finite number {span}{note}, got {value!r}")
         return float(value)
 

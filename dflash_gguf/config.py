@@ -83,7 +83,23 @@ class GenerationConfig:
     top_p: float = setting(1.0, SAMPLING_CHECKS["top_p"], "nucleus: the smallest set of tokens with this mass",
                            parse=float)
     top_k: int = setting(0, SAMPLING_CHECKS["top_k"], "sample among the k likeliest tokens; 0 = off", parse=int)
+    min_p: float = setting(0.0, SAMPLING_CHECKS["min_p"],
+                           "drop tokens less likely than this fraction of the likeliest; 0 = off", parse=float)
+    repeat_penalty: float = setting(1.0, SAMPLING_CHECKS["repeat_penalty"],
+                                    "divide the logit of a token in the last repeat_last_n of the reply; 1 = off",
+                                    parse=float)
+    repeat_last_n: int = setting(64, SAMPLING_CHECKS["repeat_last_n"],
+                                 "reply tokens the penalties look back over; -1 = all, 0 = off", parse=int)
+    presence_penalty: float = setting(0.0, SAMPLING_CHECKS["presence_penalty"],
+                                      "lower the logit of a token in that window by this", parse=float)
+    frequency_penalty: float = setting(0.0, SAMPLING_CHECKS["frequency_penalty"],
+                                       "lower the logit of a token by this times its count in that window", parse=float)
+    logit_bias: tuple[tuple[int, float], ...] = setting((), SAMPLING_CHECKS["logit_bias"],
+                                                        "{token id: bias} added to the logits (-inf bans a token)")
     seed: int | None = setting(None, SAMPLING_CHECKS["seed"], "sampling seed (default: fresh entropy)", parse=int)
+    logprobs: int | None = setting(None, optional(integer(0), "none reported"),
+                                   "report each token's log-probability under the target and its n likeliest "
+                                   "alternatives", parse=int)
     stop: tuple[str, ...] = setting((), strings, "strings that end the reply (not included in it)")
     speculative: bool = setting(True, boolean, "draft and verify; False decodes plainly")
     block_size: int | None = setting(None, optional(integer(1), "adaptive"),
@@ -109,7 +125,7 @@ class GenerationConfig:
 
     @cached_property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_CHECKS})
 
     @cached_property
     def constraint(self) -> ConstraintSpec | None:
@@ -126,8 +142,8 @@ class GenerationConfig:
 
 
 # llama_cpp.Llama's defaults, for the Session methods shaped like its create_completion / create_chat_completion
-LLAMA_COMPLETION_DEFAULTS = GenerationConfig(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40)
-LLAMA_CHAT_DEFAULTS = GenerationConfig(max_tokens=None, temperature=0.2, top_p=0.95, top_k=40)
+LLAMA_COMPLETION_DEFAULTS = GenerationConfig(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
+LLAMA_CHAT_DEFAULTS = GenerationConfig(max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05)
 
 
 @dataclass(frozen=True)

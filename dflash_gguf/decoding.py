@@ -20,9 +20,9 @@ from .config import GenerationConfig
 from .constraints import Constraint
 from .controller import Choice, CycleTiming, PlainPolicy, Policy
 from .memory import TargetMemory
-from .sampling import SamplingParams, probabilities, sample_token
+from .sampling import SamplingParams, adjusted_logits, greedy_tokens, probabilities, sample_token, token_logprobs
 from .sources import Candidate, Commit, DraftSource, Offer
-from .steps import Step, StepKind, TokenSource
+from .steps import Step, StepKind, TokenLogprob, TokenSource
 from .target import Target
 
 
@@ -120,6 +120,8 @@ def decode_steps(
     Sources are fed only when config.speculative; all of them are truncated with the target, so none holds
     state the target has dropped. `cache` is kept true after every yield: a caller may stop at any point.
     A constraint (a fresh matcher for this generation) masks every row the target's tokens are chosen from.
+    Penalties judge verify row i with the reply so far and the drafts before row i, which is the reply that
+    row is read after (a row after a rejected draft is never read): speculation changes no token's law.
     """
     n_ctx = target.n_ctx_seq
     if not 0 < len(prompt) <= n_ctx:
@@ -131,10 +133,25 @@ def decode_steps(
         raise ValueError("speculative decoding needs a Policy")
     by_name = {s.name: s for s in active}
     params = config.sampling
+    params.check_vocab(target.n_vocab)
     rng = params.rng()
     text = TextStream(target, config.stop)
     max_tokens = n_ctx if config.max_tokens is None else config.max_tokens  # None: until the context is full
     features = any(s.needs_features for s in active)
+    reply: list[int] = []  # every token chosen so far: what the penalties count
+    n_logprobs = config.logprobs
+
+    def choose_from(raw: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
+        """The verify rows to choose from: masked by the constraint, then biased and penalised per row."""
+        rows = raw if constraint is None else constraint.mask_block(raw, drafts)
+        if not params.adjusts:
+            return rows
+        return adjusted_logits(rows, params, _windows(params, reply, drafts, n_ctx, rows.shape[0]))
+
+    def logprobs_of(raw: np.ndarray, chosen: Sequence[int]) -> list[TokenLogprob] | None:
+        if n_logprobs is None:
+            return None
+        return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(chosen, token_logprobs(raw, chosen, n_logprobs))]
 
     keep = min([cache.common_prefix(prompt)] + [s.cached() for s in active])
     keep = memory.truncate(keep)
@@ -160,14 +177,15 @@ def decode_steps(
         commit(pos, chunk)
         pos += len(chunk)
     logits = target.output_logits()[-1:]
-    last = _pick(logits if constraint is None else constraint.mask_block(logits, ()), params, rng)
+    last = _pick(choose_from(logits, ()), params, rng)
     if constraint is not None:
         constraint.commit([last])
+    reply.append(last)
     for s in active:
         s.finish()
     prefill_s = time.perf_counter() - t0
 
-    out = _commit([last], [TokenSource.PREFILL], text, target, max_tokens, 0)
+    out = _commit([last], [TokenSource.PREFILL], text, target, max_tokens, 0, logprobs_of(logits, [last]))
     n_generated = 1
     done = out.finish_reason
     yield Step(kind=StepKind.PREFILL, verify_s=prefill_s, block_size=1, reason="prefill", **out.fields())
@@ -209,17 +227,18 @@ def decode_steps(
         memory.before_verify(n_past, len(block))
         t_verify = time.perf_counter()
         target.decode(block, n_past, logits=True)
-        logits = target.output_logits()
-        if constraint is not None:
-            logits = constraint.mask_block(logits, block[1:])
-        n_accepted, bonus = _verify(logits, candidate, params, rng)
+        raw = target.output_logits()
+        n_accepted, bonus = _verify(choose_from(raw, block[1:]), candidate, params, rng)
+        chosen = block[1 : n_accepted + 1] + [bonus]
+        chosen_logprobs = logprobs_of(raw, chosen)
         t_keep = time.perf_counter()
         memory.keep(n_past, block, n_accepted + 1)
         t_done = time.perf_counter()
 
         commit(n_past, block[: n_accepted + 1])
         if constraint is not None:
-            constraint.commit(block[1 : n_accepted + 1] + [bonus])
+            constraint.commit(chosen)
+        reply.extend(chosen)
         n_past += n_accepted + 1
         # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
         timing = CycleTiming(len(block), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))
@@ -227,7 +246,7 @@ def decode_steps(
 
         drafted = by_name[choice.source].provenance if n_draft else None
         provenance = [drafted] * n_accepted + [TokenSource.BONUS if n_draft else TokenSource.PLAIN]
-        out = _commit(block[1 : n_accepted + 1] + [bonus], provenance, text, target, max_tokens, n_generated)
+        out = _commit(chosen, provenance, text, target, max_tokens, n_generated, chosen_logprobs)
         n_generated += n_accepted + 1
         done = out.finish_reason
         last = bonus
@@ -271,11 +290,21 @@ def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -
     return offers
 
 
+def _windows(params: SamplingParams, reply: list[int], drafts: Sequence[int], n_ctx: int, rows: int) -> list[list[int]]:
+    """What the penalties count at each verify row: row i comes after the reply and drafts[:i]."""
+    if not params.penalizes:
+        return []
+    n = n_ctx if params.repeat_last_n < 0 else params.repeat_last_n
+    seq = reply[max(0, len(reply) - n):] + list(drafts)
+    base = len(seq) - len(drafts)
+    return [seq[max(0, base + i - n) : base + i] for i in range(rows)]
+
+
 def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """The next token from one row of logits: argmax, or a sample from the params' distribution."""
     if params.greedy:
-        return int(logits[0].argmax())
-    return sample_token(probabilities(logits, params)[0], rng)
+        return int(greedy_tokens(logits[:1])[0])
+    return sample_token(probabilities(logits[:1], params)[0], rng)
 
 
 def _verify(logits: np.ndarray, candidate: Candidate | None, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
@@ -283,7 +312,7 @@ def _verify(logits: np.ndarray, candidate: Candidate | None, params: SamplingPar
     if candidate is None:
         return 0, _pick(logits, params, rng)
     if params.greedy:
-        return accept_greedy(candidate.tokens, logits.argmax(axis=1))
+        return accept_greedy(candidate.tokens, greedy_tokens(logits))
     q, q_ids = candidate.proposal()
     return accept_sampled(candidate.tokens, q, probabilities(logits, params), rng, draft_indices=q_ids)
 
@@ -296,15 +325,16 @@ class _Committed:
     spans: tuple[tuple[str, TokenSource], ...]
     finish_reason: str | None
     stop_sequence: str | None
+    logprobs: tuple[TokenLogprob, ...]
 
     def fields(self) -> dict:
         return {"tokens": self.tokens, "text": self.text, "provenance": self.provenance, "spans": self.spans,
-                "finish_reason": self.finish_reason, "stop_sequence": self.stop_sequence}
+                "finish_reason": self.finish_reason, "stop_sequence": self.stop_sequence, "logprobs": self.logprobs}
 
 
 def _commit(
     new: list[int], provenance: Sequence[TokenSource], text: TextStream, target: Target, max_tokens: int,
-    n_generated: int,
+    n_generated: int, logprobs: Sequence[TokenLogprob] | None = None,
 ) -> _Committed:
     """Apply the stop rules to freshly committed tokens: EOG, stop strings, max_tokens, in token order."""
     tokens: list[int] = []
@@ -327,7 +357,8 @@ def _commit(
             break
     spans = _spans(pieces)
     return _Committed(
-        tokens, "".join(t for t, _ in spans), tuple(provenance[: len(tokens)]), spans, finish, text.stopped_by
+        tokens, "".join(t for t, _ in spans), tuple(provenance[: len(tokens)]), spans, finish, text.stopped_by,
+        tuple(logprobs[: len(tokens)]) if logprobs else (),
     )
 
 

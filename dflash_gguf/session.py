@@ -17,18 +17,20 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import calibration_store, defaults
+from .checks import SettingError, SettingTypeError
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
 from .constraints import Constraint, ForcedTokenSource
 from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
+from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
 from .sources import Commit, DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
-from .steps import Step
+from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
@@ -59,6 +61,7 @@ class Result:
     stats: GenerationStats
     tool_calls: tuple[ToolCall, ...] = ()
     content: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the config asked for logprobs
 
 
 def _rs_seq(drafter: str | os.PathLike[str] | None, n_batch: int) -> int:
@@ -583,6 +586,7 @@ class Session:
             tokens=[t for s in all_steps for t in s.tokens],
             finish_reason=all_steps[-1].finish_reason or "stop",
             stats=self.last_stats,
+            logprobs=tuple(e for s in all_steps for e in s.logprobs),
         )
 
     def _check_open(self) -> None:
@@ -657,21 +661,26 @@ class Session:
     def create_completion(
         self, prompt: str, *, stream: bool = False, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt, with its defaults."""
+        """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt, with its defaults;
+        logprobs=n reports each token's log-probability and its n likeliest alternatives, as llama_cpp does."""
         tokens = self.tokenize(prompt, add_special=True)
         config = GenerationConfig.build(LLAMA_COMPLETION_DEFAULTS, **_llama_max_tokens(settings))
-        return self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
+        offset = len(prompt)  # llama_cpp's text offsets count from the end of the prompt
+        return self._completion_chunks(tokens, config, offset) if stream else self._completion(tokens, config, offset)
 
     def create_chat_completion(
         self, messages: Sequence[Message], *, stream: bool = False, tools: Any = None, tool_choice: Any = None,
         parallel_tool_calls: bool | None = None, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF; with
-        tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason "tool_calls"."""
+        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF;
+        logprobs=True (with top_logprobs=n alternatives) fills choices[0].logprobs.content as llama_cpp does.
+        With tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason
+        "tool_calls"."""
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
         prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
         tokens = self.tokenize(prompt, add_special=False)
-        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **_llama_max_tokens(settings))
+        settings = _chat_logprobs(_llama_max_tokens(settings))
+        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **settings)
         config = self.chat_config(config, plan).with_stops(stops)
         if plan is not None and plan.parses:
             return self._tool_chunks(tokens, config, plan) if stream else self._tool_completion(tokens, config, plan)
@@ -715,23 +724,29 @@ class Session:
     def _completion_header(self) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": str(self.target.path)}
 
-    def _completion(self, tokens: list[int], config: GenerationConfig) -> dict[str, Any]:
-        """A whole completion in llama_cpp's text_completion shape, with usage."""
+    def _completion(self, tokens: list[int], config: GenerationConfig, text_offset: int = 0) -> dict[str, Any]:
+        """A whole completion in llama_cpp's text_completion shape, with usage (and logprobs when asked)."""
         header = self._completion_header()
         result = self._collect(self._steps(tokens, config))
         n = len(result.tokens)
+        logprobs = None
+        if config.logprobs is not None:
+            logprobs = CompletionLogprobs(self.target.token_bytes, text_offset)(result.logprobs)
         return {
             **header,
-            "choices": [{"text": result.text, "index": 0, "logprobs": None, "finish_reason": result.finish_reason}],
+            "choices": [{"text": result.text, "index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason}],
             "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
         }
 
-    def _completion_chunks(self, tokens: list[int], config: GenerationConfig) -> Iterator[dict[str, Any]]:
-        """llama_cpp's streamed text_completion chunks: one per cycle with text, then one with finish_reason."""
+    def _completion_chunks(self, tokens: list[int], config: GenerationConfig, text_offset: int = 0) -> Iterator[dict[str, Any]]:
+        """llama_cpp's streamed text_completion chunks: one per cycle with text (and that cycle's logprobs
+        when asked), then one with finish_reason."""
         header = self._completion_header()
+        shape = CompletionLogprobs(self.target.token_bytes, text_offset) if config.logprobs is not None else None
         for step in self._steps(tokens, config):
-            if step.text:
-                yield {**header, "choices": [{"text": step.text, "index": 0, "logprobs": None, "finish_reason": None}]}
+            if step.text or (shape is not None and step.logprobs):
+                logprobs = shape(step.logprobs) if shape is not None else None
+                yield {**header, "choices": [{"text": step.text, "index": 0, "logprobs": logprobs, "finish_reason": None}]}
             if step.finish_reason is not None:
                 yield {**header, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": step.finish_reason}]}
 
@@ -773,6 +788,20 @@ def _llama_max_tokens(settings: dict[str, Any]) -> dict[str, Any]:
 def _check_prompt_cache(cache: Any) -> None:
     if cache is not None and not isinstance(cache, PromptCache):
         raise TypeError(f"prompt_cache must be a PromptCache or None, got {type(cache).__name__}")
+
+
+def _chat_logprobs(settings: dict[str, Any]) -> dict[str, Any]:
+    """llama_cpp's chat spelling (logprobs: bool, top_logprobs: n) as the config's logprobs (n, or None: off)."""
+    if "logprobs" not in settings and "top_logprobs" not in settings:
+        return settings
+    settings = dict(settings)
+    wanted, top = settings.pop("logprobs", None), settings.pop("top_logprobs", None)
+    if wanted not in (None, True, False):
+        raise SettingTypeError("logprobs", f"must be True or False for a chat completion, got {wanted!r}")
+    if top is not None and not wanted:
+        raise SettingError("top_logprobs", "needs logprobs=True")
+    settings["logprobs"] = (0 if top is None else top) if wanted else None
+    return settings
 
 
 def _check_sources(sources: Any) -> list[DraftSource]:

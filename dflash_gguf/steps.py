@@ -34,6 +34,16 @@ class TokenSource(str, Enum):
 DRAFTED_KINDS = frozenset({StepKind.DRAFT, StepKind.PROBE})
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token's log-probability under the target (its raw logits' log-softmax, before any
+    bias, penalty, constraint or filter), and the `top` likeliest (id, logprob) there, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Step:
     """What one cycle committed. `spans` are (text, TokenSource) pieces whose texts join to `text`."""
@@ -56,6 +66,7 @@ class Step:
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended the generation, if one did
     confidences: tuple[float, ...] = field(default=())  # predicted acceptance per drafted token, where known
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the config asks for logprobs
 
     @property
     def drafted(self) -> bool:

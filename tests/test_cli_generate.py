@@ -41,6 +41,7 @@ def test_generates_and_compares_with_plain_decoding(dflash_gguf_path, embedded_t
         (["--max-tokens", "0", "hi"], "argument --max-tokens: must be"),
         (["--raw", "--system", "be brief", "hi"], "--system has no place"),
         (["--temperature", "-1", "--max-tokens", "2", "hi"], "temperature"),
+        (["--repeat-penalty", "0", "--max-tokens", "2", "hi"], "argument --repeat-penalty: must be a finite number > 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):

@@ -79,12 +79,28 @@ def test_rng_is_reproducible_from_the_seed() -> None:
         # top-k first (2/9, 3/9, 4/9; mass before 0, 4/9, 7/9), then top-p on the renormalised rest
         (1.0, 0.6, 3, [0, 0, 3 / 7, 4 / 7]),
         (1.0, 0.4, 3, [0, 0, 0, 1]),
+        # the nucleus is judged at temperature 1 (0.4, 0.3 reach 0.5), then the kept two are tempered
+        (0.5, 0.5, 0, [0, 0, 9 / 25, 16 / 25]),
     ],
 )
 def test_hand_computed_distributions(temperature: float, top_p: float, top_k: int, expected: list[float]) -> None:
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     probs = probabilities(LOG_1234, params)
     assert probs.dtype == np.float64
+    np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("min_p", "temperature", "expected"),
+    [
+        (0.5, 1.0, [0, 2 / 9, 3 / 9, 4 / 9]),  # p >= 0.5 * 0.4 keeps 0.2, 0.3, 0.4
+        (0.76, 1.0, [0, 0, 0, 1]),  # 0.3 < 0.76 * 0.4
+        (0.75, 2.0, [0, 0, math.sqrt(3) / (math.sqrt(3) + 2), 2 / (math.sqrt(3) + 2)]),  # judged untempered
+        (0.0, 1.0, [0.1, 0.2, 0.3, 0.4]),
+    ],
+)
+def test_min_p_keeps_tokens_near_the_likeliest(min_p: float, temperature: float, expected: list[float]) -> None:
+    probs = probabilities(LOG_1234, SamplingParams(temperature=temperature, min_p=min_p))
     np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=1e-15)
 
 
@@ -138,16 +154,18 @@ def test_greedy_params_have_no_distribution() -> None:
         (1.0, 1.0, 0),
         (0.7, 1.0, 0),
         (1.0, 0.9, 0),
-        (0.5, 0.5, 0),
-        (2.0, 0.99, 0),  # nucleus of thousands of tokens: widens past the first candidate set
+        (1.0, 0.5, 0),
+        (1.0, 0.99, 0),  # nucleus of thousands of tokens: widens past the first candidate set
         (0.8, 1.0, 50),
         (1.0, 0.8, 40),
-        (0.6, 0.95, 1000),
-        (1.3, 0.9, 49151),
+        (1.0, 0.95, 1000),
+        (1.0, 0.9, 49151),
         (1.0, 1.0, 1),
     ],
 )
 def test_matches_reference_sampling_probs(temperature: float, top_p: float, top_k: int) -> None:
+    """z-lab's reference tempers before its nucleus, llama.cpp after (test_sampling_llama.py checks that order):
+    the two agree wherever the temperature is 1 or top_p is off, the cases here."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 49152, generator=generator) * 3.0
     expected = _sampling_probs(logits, temperature, top_p, top_k).double().numpy()

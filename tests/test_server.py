@@ -455,7 +455,7 @@ MALFORMED = [
     (CHAT, {"messages": ask("Hi"), "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      400, "tools_unsupported", "tools"),
     (CHAT, {"messages": ask("Hi"), "n": 2}, 400, "unsupported_parameter", "n"),
-    (CHAT, {"messages": ask("Hi"), "frequency_penalty": 0.5}, 400, "unsupported_parameter", "frequency_penalty"),
+    (CHAT, {"messages": ask("Hi"), "frequency_penalty": 5}, 400, "invalid_value", "frequency_penalty"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
      400, "unsupported_parameter", "messages.0.content.0.type"),  # and the file:// URL is never opened
     (CHAT, {"messages": ask("word " * 5000)}, 400, "context_length_exceeded", "messages"),

@@ -229,7 +229,8 @@ def test_context_limit_ends_with_length_and_never_overflows(embedded_target, dfl
         (dict(max_tokens=0), ValueError, "max_tokens"),
         (dict(block_size=0), ValueError, "block_size"),
         (dict(stop=[""]), ValueError, "stop"),
-        (dict(repeat_penalty=1.1), TypeError, "repeat_penalty"),
+        (dict(repeat_penalty=0.0), ValueError, "repeat_penalty"),
+        (dict(mirostat_mode=2), TypeError, "mirostat_mode"),
     ],
 )
 def test_invalid_generation_arguments_raise_clearly(session, kwargs, error, message):

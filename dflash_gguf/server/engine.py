@@ -19,7 +19,7 @@ from starlette.requests import Request
 from ..config import GenerationConfig, SettingError
 from ..session import Session
 from ..stats import GenerationStats
-from ..steps import Step
+from ..steps import Step, TokenLogprob
 from ..tool_calls import ToolError, ToolPlan, detect_family
 from .config import ServerConfig
 from .errors import APIError
@@ -54,6 +54,7 @@ class Finished:
     stats: GenerationStats
     timings: dict[str, Any]
     dflash: dict[str, Any]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
 
 
 class Engine:
@@ -96,6 +97,7 @@ class Engine:
                            code="context_length_exceeded")
         try:  # checked here, before a slot is taken; the request's own field names are the config's
             config = GenerationConfig.build(self.config.generation, **job.gen, stop=job.user_stops)
+            config.sampling.check_vocab(target.n_vocab)
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
         try:
@@ -196,6 +198,7 @@ class Run:
         blocks = BlockSizes()
         text: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         first = True
         finish: str | None = None
         try:
@@ -204,6 +207,7 @@ class Run:
                     blocks.add(event)
                     text.append(event.text)
                     tokens += event.tokens
+                    logprobs += event.logprobs
                     finish = event.finish_reason or finish
                     if first and (event.tokens or event.finish_reason):
                         first = False
@@ -224,6 +228,7 @@ class Run:
                     stop_sequence=self._stop_sequence(tokens, finish),
                     n_prompt=len(self.prepared.tokens), stats=stats, timings=llama_timings(stats),
                     dflash=dflash_figures(stats, blocks, slot=self.slot.id, queue_ms=self.queue_s * 1000.0),
+                    logprobs=tuple(logprobs),
                 )
         finally:
             self.cancel()  # the consumer stopped early (a closed stream): stop at the next cycle

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Request
 from llama_cpp.llama_types import CreateChatCompletionResponse, CreateCompletionResponse
 from llama_cpp.server.types import ModelList
 
+from ..logprobs import CompletionLogprobs, chat_logprobs
+from ..steps import TokenLogprob
 from ..tool_calls import openai_delta
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
@@ -53,8 +55,10 @@ def router(engine: Engine) -> APIRouter:
         prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        token_bytes = engine.pool.slots[0].session.target.token_bytes
+        logprobs = (lambda entries: chat_logprobs(entries, token_bytes)) if job.gen.get("logprobs") is not None else None
         if job.stream:
-            return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage)))
+            return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
         message: dict[str, Any] = {"role": "assistant", "content": f.text}
         finish = f.finish_reason
@@ -66,7 +70,8 @@ def router(engine: Engine) -> APIRouter:
                 finish = "tool_calls"
         out: CreateChatCompletionResponse = {
             **header, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs(f.logprobs) if logprobs else None,
+                         "finish_reason": finish}],
             "usage": _usage(f),
         }
         return {**out, "timings": f.timings, "dflash": f.dflash}
@@ -77,12 +82,16 @@ def router(engine: Engine) -> APIRouter:
         job = completion_job(body)
         run = await engine.start(engine.prepare(job), request)
         header = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
+        logprobs = None
+        if job.gen.get("logprobs") is not None:  # llama_cpp's shape; text offsets count from the end of the prompt
+            logprobs = CompletionLogprobs(engine.pool.slots[0].session.target.token_bytes, len(job.prompt))
         if job.stream:
-            return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage)))
+            return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
         out: CreateCompletionResponse = {
             **header, "object": "text_completion",
-            "choices": [{"text": f.text, "index": 0, "logprobs": None, "finish_reason": f.finish_reason}],
+            "choices": [{"text": f.text, "index": 0, "logprobs": logprobs(f.logprobs) if logprobs else None,
+                         "finish_reason": f.finish_reason}],
             "usage": _usage(f),
         }
         return {**out, "timings": f.timings, "dflash": f.dflash}
@@ -110,11 +119,15 @@ async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str,
     yield {"data": "[DONE]"}
 
 
-async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+LogprobShape = Callable[[Sequence[TokenLogprob]], dict[str, Any]]
+
+
+async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool,
+                       logprobs: LogprobShape | None = None) -> AsyncIterator[dict[str, Any]]:
     head = {**header, "object": "chat.completion.chunk"}
 
-    def chunk(delta: dict[str, Any]) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    def chunk(delta: dict[str, Any], shown: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": shown, "finish_reason": None}]}
 
     plan = run.prepared.tools
     reader = plan.stream() if plan is not None and plan.parses else None
@@ -132,15 +145,18 @@ async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool) ->
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
             return
-        if reader is not None:
-            for piece in reader.feed(event.text):
-                yield chunk(openai_delta(piece))
-        elif event.text:
-            yield chunk({"content": event.text})
+        shown = logprobs(event.logprobs) if logprobs and event.logprobs else None
+        if reader is not None:  # the step's logprobs ride on its first piece (or alone when the text waits)
+            pieces = [openai_delta(piece) for piece in reader.feed(event.text)]
+            for i, delta in enumerate(pieces or ([{}] if shown else [])):
+                yield chunk(delta, shown if i == 0 else None)
+        elif event.text or shown:
+            yield chunk({"content": event.text}, shown)
     raise _CANCELLED
 
 
-async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool,
+                             logprobs: LogprobShape | None = None) -> AsyncIterator[dict[str, Any]]:
     head = {**header, "object": "text_completion"}
     async for event in run.events():
         if isinstance(event, Finished):
@@ -149,6 +165,8 @@ async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bo
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
             return
-        if event.text:
-            yield {**head, "choices": [{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}]}
+        if event.text or (logprobs and event.logprobs):
+            yield {**head, "choices": [{"text": event.text, "index": 0,
+                                        "logprobs": logprobs(event.logprobs) if logprobs else None,
+                                        "finish_reason": None}]}
     raise _CANCELLED

@@ -1,9 +1,11 @@
 """Request models: llama_cpp.server's OpenAI types, extended with what newer clients send, and the Anthropic Messages request.
 
-What the Session cannot do is refused with a 400 naming the field, never dropped: penalties, logit
-bias, logprobs, n > 1, and the legacy `functions` / `function_call` (use tools / tool_choice). Tools are
-acted on where the model's chat template takes them: the Session renders them, holds each call to its
-tool's schema and the routes return the calls (OpenAI tool_calls, Anthropic tool_use blocks).
+What the Session cannot do is refused with a 400 naming the field, never dropped: n > 1 (one choice per
+request) and the legacy `functions` / `function_call` (use tools / tool_choice). Tools are acted on where
+the model's chat template takes them: the Session renders them, holds each call to its tool's schema and
+the routes return the calls (OpenAI tool_calls, Anthropic tool_use blocks). The sampling fields are acted
+on through the speculative loop: logprobs / top_logprobs (the target's log-softmax), presence_penalty,
+frequency_penalty, logit_bias (token ids), and llama.cpp's repeat_penalty, repeat_last_n and min_p.
 Structured output is acted on: `grammar` (GBNF), OpenAI `response_format` (json_object, json_schema) and
 Anthropic `output_config.format` become the Session's grammar / json_schema constraint. Parameters left at their neutral value are accepted, since clients send the
 defaults; output_config.effort, metadata, cache_control, service_tier and the like change nothing about a
@@ -63,9 +65,14 @@ _OpenAIMessage = Annotated[
     Field(discriminator="role"),
 ]
 
-# the sampling fields, bounded where the Session's sampler is (the base types leave temperature open)
+# the sampling fields, bounded where the Session's sampler is (the base types leave temperature open);
+# min_p and repeat_penalty default to off, as OpenAI clients expect, not to llama_cpp.server's 0.05 and 1.1
 _temperature = Field(default=0.8, ge=0.0, le=2.0)
 _top_k = Field(default=40, ge=0)
+_min_p = Field(default=0.0, ge=0.0, le=1.0)
+_repeat_penalty = Field(default=1.0, gt=0.0)
+_repeat_last_n = Field(default=64, ge=-1)  # llama.cpp's: the last n reply tokens count; -1 = all, 0 = off
+_n_logprobs = Field(default=None, ge=0, le=20)  # OpenAI's bound on alternatives per token
 
 
 class ChatCompletionRequest(CreateChatCompletionRequest):
@@ -80,9 +87,10 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     stream_options: Optional[StreamOptions] = None
     temperature: float = _temperature
     top_k: int = _top_k
-    # neutral defaults: the Session applies none of these, so only their neutral value is accepted
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, ge=0.0)
+    min_p: float = _min_p
+    repeat_penalty: float = _repeat_penalty
+    repeat_last_n: int = _repeat_last_n
+    top_logprobs: Optional[int] = _n_logprobs
     parallel_tool_calls: Optional[bool] = None
     # checked by the Session against the model's template (dflash_gguf.tool_calls), which names the bad field;
     # wider than llama_cpp's type, which lacks `strict` (sent by OpenAI agents; every call follows its schema)
@@ -115,8 +123,10 @@ class CompletionRequest(CreateCompletionRequest):
     stream_options: Optional[StreamOptions] = None
     temperature: float = _temperature
     top_k: int = _top_k
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, ge=0.0)
+    min_p: float = _min_p
+    repeat_penalty: float = _repeat_penalty
+    repeat_last_n: int = _repeat_last_n
+    logprobs: Optional[int] = _n_logprobs
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------
@@ -215,13 +225,13 @@ def chat_job(req: ChatCompletionRequest) -> Job:
     for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if getattr(req, legacy) is not None:
             raise _refuse(legacy, f"the legacy function-calling field is not supported: use {instead}")
+    _check_choices(req)
     _check_neutral(req, {
-        "n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "min_tokens": 0,
+        "mirostat_mode": 0, "min_tokens": 0,
         "store": False, "modalities": (["text"],), "audio": None, "web_search_options": None,
     })
-    if req.logit_bias:
-        raise _refuse("logit_bias", "not supported by dflash-serve")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _refuse("top_logprobs", "needs logprobs: true", "invalid_value")
     constraint = _response_format(req.response_format)
     if req.grammar is not None:
         if constraint:
@@ -241,7 +251,8 @@ def chat_job(req: ChatCompletionRequest) -> Job:
             message["tool_call_id"] = m.get("tool_call_id")
         messages.append(message)
     max_tokens = req.max_completion_tokens or req.max_tokens or None
-    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | constraint
+    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req) | constraint
+    gen["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     gen["max_tokens"] = max_tokens
     stops = _stops(req.stop)
     return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
@@ -250,13 +261,8 @@ def chat_job(req: ChatCompletionRequest) -> Job:
 
 
 def completion_job(req: CompletionRequest) -> Job:
-    _check_neutral(req, {
-        "n": 1, "best_of": 1, "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "repeat_penalty": 1.0, "min_p": 0.0, "mirostat_mode": 0, "min_tokens": 0,
-        "echo": False, "suffix": None,
-    })
-    if req.logit_bias:
-        raise _refuse("logit_bias", "not supported by dflash-serve")
+    _check_choices(req)
+    _check_neutral(req, {"mirostat_mode": 0, "min_tokens": 0, "echo": False, "suffix": None})
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
@@ -264,7 +270,8 @@ def completion_job(req: CompletionRequest) -> Job:
         prompt = prompt[0]
     if not prompt:
         raise _refuse("prompt", "the prompt is empty", "invalid_value")
-    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed)
+    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req)
+    gen["logprobs"] = req.logprobs
     if req.grammar is not None:
         gen |= _constraint("grammar", req.grammar, "grammar")
     gen["max_tokens"] = req.max_tokens or None  # 0 or None: up to the end of the context (llama_cpp's rule)
@@ -436,6 +443,27 @@ def _anthropic_format(fmt: dict[str, Any], param: str) -> dict[str, Any]:
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise _refuse(f"{param}.type", "must be {'type': 'json_schema', 'schema': {...}}", "invalid_value")
     return _constraint("json_schema", fmt["schema"], f"{param}.schema")
+
+
+def _check_choices(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """n and best_of: one choice per request, said why."""
+    for name in ("n", "best_of"):
+        got = getattr(req, name, None)
+        if got not in (None, 1):
+            raise _refuse(name, f"one choice per request (got {got}): each choice is a whole generation on a slot "
+                          "of its own; send separate requests, which reuse the cached prompt")
+
+
+def _penalties(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The OpenAI penalties, logit_bias (token ids as strings) and llama.cpp's repeat_penalty, repeat_last_n
+    and min_p, as GenerationConfig settings (checked there, a bad one a 400 naming it)."""
+    if req.logit_bias_type not in (None, "input_ids"):
+        raise _refuse("logit_bias_type", "only token ids are supported as logit_bias keys ('input_ids')")
+    return {
+        "presence_penalty": float(req.presence_penalty or 0.0), "frequency_penalty": float(req.frequency_penalty or 0.0),
+        "repeat_penalty": float(req.repeat_penalty), "repeat_last_n": int(req.repeat_last_n),
+        "min_p": float(req.min_p), "logit_bias": dict(req.logit_bias or {}),
+    }
 
 
 def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict[str, Any]:
