@@ -111,6 +111,8 @@ class GenerationConfig:
     grammar: str | None = setting(None, _constraint("grammar"), "a GBNF grammar (llama.cpp's) or a Lark grammar")
     json_schema: str | None = setting(None, _constraint("json_schema"), "a JSON schema the reply follows")
     regex: str | None = setting(None, _constraint("regex"), "a regular expression the reply matches")
+    forced_drafts: bool = setting(True, boolean, "draft the tokens a constraint leaves no choice about, for free "
+                                  "(off: only the other sources draft, to measure what the forced ones add)", parse=bool)
 
     def __post_init__(self) -> None:
         _check_fields(self)

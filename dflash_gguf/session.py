@@ -499,7 +499,7 @@ class Session:
         policy = self._policy(config) if config.speculative and self._sources else None
         spec, sources = config.constraint, self._sources
         constraint = None if spec is None else Constraint(self.target.constraint_tokenizer(), spec, self.target.n_vocab)
-        if constraint is not None and policy is not None:
+        if constraint is not None and policy is not None and config.forced_drafts:
             # what the grammar forces is drafted for free, first among peers (the verify costs cover this length)
             longest = min(max(s.max_draft for s in sources), self.target.n_batch - 1)
             sources = [ForcedTokenSource(constraint, longest), *sources]

@@ -75,6 +75,13 @@ def test_what_the_schema_forces_is_drafted_for_free_and_commits(pair, plain_pers
     assert pair.last_stats.tokens_by_provenance.get("grammar", 0) >= sum(s.n_accepted for s in forced) > 0
 
 
+def test_forced_drafts_off_leaves_the_drafting_to_the_other_sources(pair, plain_person):
+    r = pair.chat(ASK, max_tokens=64, json_schema=PERSON, block_size=4, forced_drafts=False)
+    assert r.tokens == plain_person.tokens
+    assert "grammar" not in r.stats.per_source and r.stats.tokens_by_provenance.get("grammar", 0) == 0
+    assert r.stats.n_drafted > 0  # the drafter still drafts, under the constraint
+
+
 def test_lookup_under_a_schema_equals_plain_constrained_decoding(lookup_only, plain_person):
     r = lookup_only.chat(ASK, max_tokens=64, json_schema=PERSON, block_size=4)
     assert r.tokens == plain_person.tokens

@@ -28,7 +28,7 @@ def _positive(text: str) -> int:
     return value
 
 
-GENERATION = ("max_tokens", "block_size")  # greedy always: outputs are compared token for token
+GENERATION = ("max_tokens", "block_size", "forced_drafts")  # greedy always: outputs are compared token for token
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate")
 
 
