@@ -175,17 +175,23 @@ class PromptCache:
                 self._scan()
 
     # -- sizes ---------------------------------------------------------------------------------
+    # read by /metrics from the event loop while slots store: under the lock
     @property
     def ram_used(self) -> int:
         return self._ram_used
 
     @property
     def disk_used(self) -> int:
-        return sum(e.size for e in self._disk.values())
+        with self._lock:
+            return self._disk_used()
 
     @property
     def entries(self) -> dict[str, int]:
-        return {"ram": len(self._ram), "disk": len(self._disk)}
+        with self._lock:
+            return {"ram": len(self._ram), "disk": len(self._disk)}
+
+    def _disk_used(self) -> int:
+        return sum(e.size for e in self._disk.values())
 
     # -- lookup --------------------------------------------------------------------------------
     def lookup(self, context: str, prompt: Sequence[int], *, at_least: int = 0, prefix_only: bool = False) -> Hit | None:
@@ -311,7 +317,7 @@ class PromptCache:
             log.info("prompt cache: an entry of %d bytes exceeds the disk budget of %d; not written", size, self.disk_bytes)
             return False
         for victim in sorted(self._disk.values(), key=lambda e: e.last_used):
-            if self.disk_used + size <= self.disk_bytes:
+            if self._disk_used() + size <= self.disk_bytes:
                 break
             self._remove_file(victim.path.name)
             self.counters.evictions["disk"] += 1
