@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .cli_parser import EXIT_BAD_INPUT, OneLineParser
-from .config import GenerationConfig, SessionOptions, add_arguments, from_arguments
+from .config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 from .steps import Step
 from .session import Session
 from .stats import GenerationStats, generation_speedup
@@ -22,8 +22,7 @@ from .stats import GenerationStats, generation_speedup
 
 GENERATION = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
               "frequency_penalty", "seed", "block_size")
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", "type_k", "type_v",
-           "type_k_draft", "type_v_draft")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
 
 
 def _parser() -> argparse.ArgumentParser:

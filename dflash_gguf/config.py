@@ -20,8 +20,8 @@ from .sampling import SamplingParams
 from .target import KV_TYPES, QUANTIZED_KV_TYPES
 
 __all__ = [
-    "GenerationConfig", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions", "SettingError",
-    "add_arguments", "from_arguments",
+    "GenerationConfig", "KV_CACHE_SETTINGS", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions",
+    "SettingError", "add_arguments", "from_arguments",
 ]
 
 T = TypeVar("T")
@@ -145,6 +145,8 @@ class GenerationConfig:
 
 # llama_cpp.Llama's defaults, for the Session methods shaped like its create_completion / create_chat_completion
 LLAMA_COMPLETION_DEFAULTS = GenerationConfig(max_tokens=16, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05)
+# the KV cache types of target and drafter: every command that opens a Session takes them
+KV_CACHE_SETTINGS = ("type_k", "type_v", "type_k_draft", "type_v_draft")
 LLAMA_CHAT_DEFAULTS = GenerationConfig(max_tokens=None, temperature=0.2, top_p=0.95, top_k=40, min_p=0.05)
 
 

@@ -18,11 +18,11 @@ from typing import Any, Sequence
 
 from .backends import GPU_KINDS, Device, build
 from .cli_parser import EXIT_BAD_INPUT, OneLineParser
-from .config import SessionOptions, add_arguments, from_arguments
+from .config import KV_CACHE_SETTINGS, SessionOptions, add_arguments, from_arguments
 from .llama_ext import MissingSymbolError, layer_input_api_present
 
 PROG = "dflash-doctor"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", *KV_CACHE_SETTINGS)
 # one prompt per kind of work the drafter meets; τ at the drafter's own block, greedy
 PROMPTS = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

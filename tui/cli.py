@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
-from dflash_gguf.config import GenerationConfig, SessionOptions, add_arguments, flag, from_arguments
+from dflash_gguf.config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, flag, from_arguments
 from dflash_gguf.tui.options import CHAT_GENERATION, ChatOptions
 
 PROG = "dflash-chat"
@@ -21,7 +21,7 @@ PROG = "dflash-chat"
 MIN_N_CTX = 64
 WORKERS = ("process", "thread")
 GENERATION = ("block_size", "temperature", "top_p", "top_k", "seed", "max_tokens")
-SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate")
+SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
 # chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
 DEFAULT_WORKER = "process"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
-from dflash_gguf.config import GenerationConfig, SessionOptions, add_arguments, from_arguments
+from dflash_gguf.config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 
 from .peers import PEERS
 
@@ -29,7 +29,7 @@ def _positive(text: str) -> int:
 
 
 GENERATION = ("max_tokens", "block_size", "forced_drafts")  # greedy always: outputs are compared token for token
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate", *KV_CACHE_SETTINGS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
-from ..config import GenerationConfig, SessionOptions, add_arguments, from_arguments
+from ..config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, CacheOptions, ServerConfig
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", "type_k", "type_v",
-           "type_k_draft", "type_v_draft")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
 GENERATION = ("block_size",)
 CACHE = ("cache_ram", "cache_dir", "cache_disk")
 
