@@ -14,7 +14,6 @@ Where: $DFLASH_CALIBRATION_DIR, else $XDG_CACHE_HOME/dflash-gguf/calibration, el
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -25,7 +24,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from llama_cpp import llama_cpp as capi
 
 from . import backends
 from .controller import CostModel
@@ -52,20 +50,6 @@ def directory() -> Path:
     return Path(cache) / "dflash-gguf" / "calibration"
 
 
-def _model(model: capi.llama_model_p) -> dict[str, Any]:
-    """A loaded model as its costs see it: libllama's description (architecture, size, quantisation), bytes, parameters."""
-    buf = ctypes.create_string_buffer(256)
-    capi.llama_model_desc(model, buf, len(buf))
-    return {"desc": buf.value.decode("utf-8", errors="replace"), "bytes": int(capi.llama_model_size(model)),
-            "params": int(capi.llama_model_n_params(model))}
-
-
-def _context(ctx: capi.llama_context_p) -> dict[str, int]:
-    return {"n_ctx": int(capi.llama_n_ctx(ctx)), "n_batch": int(capi.llama_n_batch(ctx)),
-            "n_ubatch": int(capi.llama_n_ubatch(ctx)), "n_seq_max": int(capi.llama_n_seq_max(ctx)),
-            "n_threads": int(capi.llama_n_threads(ctx)), "n_threads_batch": int(capi.llama_n_threads_batch(ctx))}
-
-
 def session_key(target: Target, drafter: Drafter | None, memory: TargetMemory,
                 measurement: Mapping[str, int]) -> dict[str, Any]:
     """Everything a measured cost depends on: the build, where the layers are, the models, threads and
@@ -73,17 +57,16 @@ def session_key(target: Target, drafter: Drafter | None, memory: TargetMemory,
     key: dict[str, Any] = {
         "format": FORMAT,
         "build": backends.build(),
-        "target": {"fingerprint": target.fingerprint(), **_model(target.model),
+        "target": {"fingerprint": target.fingerprint(), **target.described(),
                    "placement": backends.placement(target.model, target.n_gpu_layers).as_dict(),
-                   **_context(target.ctx), "flash_attn": target.flash_attn, "n_rs_seq": target.n_rs_seq,
+                   "flash_attn": target.flash_attn, "n_rs_seq": target.n_rs_seq,
                    "memory": memory.name},
         "drafter": None,
         "measurement": dict(measurement),
     }
     if drafter is not None:
-        key["drafter"] = {"kind": drafter.kind, "block_size": drafter.block_size, **_model(drafter._model),
-                          "placement": backends.placement(drafter._model, drafter.n_gpu_layers).as_dict(),
-                          **_context(drafter._ctx)}
+        key["drafter"] = {"kind": drafter.kind, "block_size": drafter.block_size, **drafter.described(),
+                          "placement": drafter.placement().as_dict()}
     return json.loads(json.dumps(key))  # as it reads back from a file: tuples are lists, keys strings
 
 

@@ -13,18 +13,20 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from llama_cpp import llama_cpp as capi
 
 from . import drafter_gguf, llama_ext
+from .backends import Placement, placement
 from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .kinds import DFLASH2, DSPARK
 from .schema import ARCH, Keys
 from .target import (
-    ClosedError, NativeResource, SharedModel, Target, check_gguf_file, check_kv_types, load_model, meta_str, new_context,
-    state_seq_get, state_seq_set,
+    ClosedError, NativeResource, SharedModel, Target, check_gguf_file, check_kv_types, describe_context, describe_model,
+    load_model, meta_str, new_context, state_seq_get, state_seq_set,
 )
 
 
@@ -87,6 +89,16 @@ class Drafter(NativeResource):
     Its graph reads the target context's embeddings and LM head (`ctx_other`), so every entry that
     reaches C checks that both are open: closing the target first leaves a drafter that raises.
     """
+
+    def described(self) -> dict[str, Any]:
+        """What this drafter's model and context are, as a measured cost depends on them."""
+        self._check_open()
+        return {**describe_model(self._model), **describe_context(self._ctx)}
+
+    def placement(self) -> Placement:
+        """Where libllama put this drafter's layers."""
+        self._check_open()
+        return placement(self._model, self.n_gpu_layers)
 
     def _check_open(self) -> None:
         """ClosedError when this drafter or its target is closed (two attribute tests)."""

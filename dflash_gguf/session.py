@@ -606,7 +606,7 @@ class Session:
     @cached_property
     def drafter_placement(self) -> Placement | None:
         """Where the drafter's layers are (n_gpu_layers_draft may keep it off the target's device); None without one."""
-        return None if self.drafter is None else placement(self.drafter._model, self.drafter.n_gpu_layers)
+        return None if self.drafter is None else self.drafter.placement()
 
     @property
     def n_ctx(self) -> int:

@@ -330,6 +330,21 @@ class FeatureRows:
             self._address = self._data.ctypes.data
 
 
+
+def describe_model(model: capi.llama_model_p) -> dict[str, Any]:
+    """A loaded model as libllama describes it: architecture, size and quantisation; bytes; parameters."""
+    buf = ctypes.create_string_buffer(256)
+    capi.llama_model_desc(model, buf, len(buf))
+    return {"desc": buf.value.decode("utf-8", errors="replace"), "bytes": int(capi.llama_model_size(model)),
+            "params": int(capi.llama_model_n_params(model))}
+
+
+def describe_context(ctx: capi.llama_context_p) -> dict[str, int]:
+    """A context's sizes and threads, as libllama made them."""
+    return {"n_ctx": int(capi.llama_n_ctx(ctx)), "n_batch": int(capi.llama_n_batch(ctx)),
+            "n_ubatch": int(capi.llama_n_ubatch(ctx)), "n_seq_max": int(capi.llama_n_seq_max(ctx)),
+            "n_threads": int(capi.llama_n_threads(ctx)), "n_threads_batch": int(capi.llama_n_threads_batch(ctx))}
+
 class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
@@ -473,6 +488,10 @@ class Target(NativeResource):
         if self._ctx is None:
             raise self._closed_error()
         return self._ctx
+
+    def described(self) -> dict[str, Any]:
+        """What this model and context are, as a measured cost depends on them (the saved calibration's key)."""
+        return {**describe_model(self.model), **describe_context(self.ctx)}
 
     @property
     def layers(self) -> list[int]:
