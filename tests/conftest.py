@@ -29,6 +29,15 @@ def embedded_target() -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedded_session():
+    """The embedded pair loaded once for the server tests: each module forks it for its slots and references."""
+    from dflash_gguf import Session
+
+    with Session() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def reference_checkpoint(tmp_path_factory) -> Path:
     """A 1-layer random-weight DFlash checkpoint directory (bf16), built by the reference package."""
     from checkpoints import make_reference_checkpoint

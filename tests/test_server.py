@@ -22,7 +22,7 @@ import openai
 import pytest
 import uvicorn
 
-from dflash_gguf import GenerationConfig, Session
+from dflash_gguf import GenerationConfig
 from dflash_gguf.server import ServerConfig, create_app
 from dflash_gguf.server.cli import bind
 from dflash_gguf.server.serving import Server
@@ -63,10 +63,21 @@ def serve(sessions, config):
         yield url
 
 
+@contextlib.contextmanager
+def serve_forks(base, config, slots=1):
+    """A server on `slots` forks of `base` (one loaded model), closed with it."""
+    sessions = [base.fork() for _ in range(slots)]
+    try:
+        with serve(sessions, config) as url:
+            yield url
+    finally:
+        for s in sessions:
+            s.close()
+
+
 @pytest.fixture(scope="module")
-def base():
-    with Session() as s:
-        yield s
+def base(embedded_session):
+    return embedded_session
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +90,8 @@ def ref(base):
 
 @pytest.fixture(scope="module")
 def main_url(base):
-    sessions = [base.fork(), base.fork()]
-    with serve(sessions, ServerConfig(api_key=KEY, model_alias="smol")) as url:
+    with serve_forks(base, ServerConfig(api_key=KEY, model_alias="smol"), slots=2) as url:
         yield url
-    for s in sessions:
-        s.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from dflash_gguf import Session
 from dflash_gguf.server import ServerConfig
-from test_server import N, serve
+from test_server import N, serve_forks
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
@@ -23,25 +22,16 @@ SHORT = "What is 2+2?"  # ends within N tokens
 
 
 @pytest.fixture(scope="module")
-def base():
-    with Session() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def ref(base):
-    s = base.fork()
+def ref(embedded_session):
+    s = embedded_session.fork()
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def url(base):
-    sessions = [base.fork(), base.fork()]
-    with serve(sessions, ServerConfig(model_alias="smol")) as u:
+def url(embedded_session):
+    with serve_forks(embedded_session, ServerConfig(model_alias="smol"), slots=2) as u:
         yield u
-    for s in sessions:
-        s.close()
 
 
 @pytest.fixture(scope="module")

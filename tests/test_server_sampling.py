@@ -12,9 +12,8 @@ import math
 import httpx
 import openai
 import pytest
-from test_server import serve
+from test_server import serve_forks
 
-from dflash_gguf import Session
 from dflash_gguf.server import ServerConfig
 
 N = 10
@@ -23,25 +22,16 @@ PROMPT = "Write a list of fruits: apple, banana,"
 
 
 @pytest.fixture(scope="module")
-def base():
-    with Session(n_ctx=1024) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def ref(base):
-    s = base.fork()
+def ref(embedded_session):
+    s = embedded_session.fork()
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def url(base):
-    sessions = [base.fork()]
-    with serve(sessions, ServerConfig(model_alias="smol")) as u:
+def url(embedded_session):
+    with serve_forks(embedded_session, ServerConfig(model_alias="smol"), slots=1) as u:
         yield u
-    for s in sessions:
-        s.close()
 
 
 @pytest.fixture(scope="module")
