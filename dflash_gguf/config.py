@@ -24,7 +24,8 @@ from .sampling import SamplingParams
 from .target import KV_TYPES, QUANTIZED_KV_TYPES
 
 __all__ = [
-    "CacheOptions", "GenerationConfig", "KV_CACHE_SETTINGS", "PROMPT_CACHE_SETTINGS", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions",
+    "CacheOptions", "GenerationConfig", "KV_CACHE_SETTINGS", "PROMPT_CACHE_SETTINGS",
+    "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions",
     "SettingError", "add_arguments", "from_arguments",
 ]
 
