@@ -1,4 +1,5 @@
-"""Every setting once: `GenerationConfig` (one generation) and `SessionOptions` (one Session).
+"""Every setting once: `GenerationConfig` (one generation), `SessionOptions` (one Session), `CacheOptions`
+(a prompt cache).
 
 Each field carries its default, its check, its help and its command-line flag. Session, the server, the
 TUI, dflash-generate and the bench build these classes, and the CLIs take their flags from
@@ -8,19 +9,23 @@ TUI, dflash-generate and the bench build these classes, and the CLIs take their 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import Field, dataclass, field, fields, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from .checks import SettingError, boolean, checked, integer, optional, optional_boolean, real, strings
 from .constraints import KINDS as CONSTRAINT_KINDS
 from .constraints import ConstraintSpec, compile_grammar, schema_text
+from .prompt_cache import DEFAULT_DISK_BYTES, PromptCache, parse_size
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
 from .target import KV_TYPES, QUANTIZED_KV_TYPES
 
 __all__ = [
-    "GenerationConfig", "KV_CACHE_SETTINGS", "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions",
+    "CacheOptions", "GenerationConfig", "KV_CACHE_SETTINGS", "PROMPT_CACHE_SETTINGS",
+    "LLAMA_CHAT_DEFAULTS", "LLAMA_COMPLETION_DEFAULTS", "SessionOptions",
     "SettingError", "add_arguments", "from_arguments",
 ]
 
@@ -197,6 +202,53 @@ class SessionOptions:
     def build(cls, base: SessionOptions | None = None, /, **settings: Any) -> SessionOptions:
         """`base` (or the defaults) with `settings` applied; an unknown name is a TypeError."""
         return _build(cls, base, settings, "Session")
+
+
+def _size(value: Any) -> int:
+    """A byte count: an integer >= 0, or a size such as 512MiB / 2GiB."""
+    if isinstance(value, str):
+        return parse_size(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"must be a size such as 512MiB or 2GiB, or an integer >= 0, got {value!r}")
+    return value
+
+
+def _directory(value: Any) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise TypeError(f"must be None or a directory path, got {value!r}")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    return path
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The prompt cache a command opens (llama-server's --cache-ram; a disk tier that survives a restart):
+    dflash-serve shares one between its slots, dflash-chat gives one to its Session."""
+
+    cache_ram: int = setting(0, _size, "RAM for the prompt cache, e.g. 2GiB (0: no RAM tier)", parse=str)
+    cache_dir: Path | None = setting(None, _directory, "directory of the prompt cache's disk tier (kept across "
+                                     "restarts; default: none)", parse=str)
+    cache_disk: int = setting(DEFAULT_DISK_BYTES, _size, "disk budget of --cache-dir, e.g. 20GiB (default: 8GiB)",
+                              parse=str)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cache_ram > 0 or self.cache_dir is not None
+
+    def open(self) -> PromptCache | None:
+        """The PromptCache these settings make (None: no tier asked for); built where the Session runs."""
+        return PromptCache(self.cache_ram, self.cache_dir, self.cache_disk) if self.enabled else None
+
+
+# the prompt cache's flags: every command that keeps prompts across generations takes them
+PROMPT_CACHE_SETTINGS = ("cache_ram", "cache_dir", "cache_disk")
 
 
 # -- command lines ------------------------------------------------------------------------------

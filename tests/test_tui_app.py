@@ -22,7 +22,7 @@ from textual.widgets import Collapsible, Markdown, Sparkline, Static
 from dflash_gguf.defaults import embedded_drafter
 from dflash_gguf.session import Session
 from dflash_gguf.tui.app import NOT_MEASURED, ChatApp
-from dflash_gguf.config import GenerationConfig, SessionOptions
+from dflash_gguf.config import CacheOptions, GenerationConfig, SessionOptions
 from dflash_gguf.tui.options import ChatOptions
 from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 from dflash_gguf.tui.provenance import Provenance
@@ -152,6 +152,7 @@ def test_finished_reply_is_markdown_with_its_stats(session) -> None:
         panel = app.query_one(StatsPanel)
         assert len(panel.query_one(AcceptanceHistogram).rates) == 3
         assert len(panel.query_one(Sparkline).data) == number(shown["cycles"])
+        assert not panel.query("#prompt-cache"), "without a prompt cache the panel has no section for one"
         # fixed block 4: no plain cycle in the reply and no compare run yet, so no like-for-like baseline
         assert shown["plain"] == NOT_MEASURED and shown["speedup"] == NOT_MEASURED
         assert "tokens · finished:" in str(reply.query_one(".status", Static).content)
@@ -465,6 +466,41 @@ def test_second_turn_reuses_the_first_from_the_cache_and_up_recalls_prompts(sess
         assert prompt.value == ""
 
     run_app(app, scenario)
+
+
+def test_a_reply_one_chat_stores_is_a_disk_hit_in_the_next_and_the_panel_shows_it(dflash_gguf_path, tmp_path) -> None:
+    """--cache-dir: the first chat (its Session in a worker process, the cache opened there) misses and stores;
+    a second chat on a fresh Session and the same directory restores the same prompt from disk, and the panel
+    shows what the Session's own stats say (issue 23)."""
+    spec = SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=2), CacheOptions(cache_dir=tmp_path))
+    chat = options(max_tokens=8)
+
+    with ProcessWorker(spec) as worker:
+        assert worker.info.prompt_cache
+        first = ChatApp(worker, chat)
+
+        async def store(pilot: Pilot) -> None:
+            await send_and_wait(pilot, SHORT_PROMPT)
+            event = first.last_generation.prompt_cache
+            assert event.tier is None and event.stored
+            assert rows(first, "#prompt-cache") == {"restored": "miss", "stored": f"yes · {event.store_ms:.0f} ms"}
+
+        run_app(first, store)
+    assert list(tmp_path.iterdir()), "the entry is on disk"
+
+    with spec.open() as fresh:
+        second = ChatApp(fresh, chat)
+
+        async def restore(pilot: Pilot) -> None:
+            assert rows(second, "#prompt-cache") == {"restored": "—", "stored": "—"}
+            await send_and_wait(pilot, SHORT_PROMPT)
+            event = second.last_generation.prompt_cache
+            assert event.tier == "disk" and event.n_restored > 0
+            prompt_tokens, _ = cache_use(replies(second)[-1])
+            assert event.n_restored < prompt_tokens  # a prefix of the prompt
+            assert rows(second, "#prompt-cache")["restored"] == f"disk {event.n_restored} tok · {event.restore_ms:.0f} ms"
+
+        run_app(second, restore)
 
 
 def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:

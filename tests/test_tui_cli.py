@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+from dflash_gguf.config import CacheOptions
+from dflash_gguf.tui.cli import parse_options
+
 pytestmark = pytest.mark.slow  # every case runs dflash-chat in a fresh process
 
 
@@ -46,6 +49,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         (["--n-gpu-layers", "-2"], "--n-gpu-layers"),
         (["--seed", "x"], "--seed"),
         (["--worker", "fork"], "--worker"),
+        (["--cache-ram", "2 GiBs"], "argument --cache-ram: not a size"),
+        (["--cache-disk", "-1"], "argument --cache-disk: not a size"),
+        (["--cache-dir", "/etc/hostname"], "argument --cache-dir: /etc/hostname exists and is not a directory"),
     ],
 )
 def test_bad_flag_is_one_line_exit_2(args: list[str], needle: str) -> None:
@@ -82,5 +88,13 @@ def test_help_exits_0() -> None:
     result = run_chat("--help")
     assert result.returncode == 0
     for flag in ("--target", "--drafter", "--n-gpu-layers", "--n-ctx", "--block-size", "--temperature",
-                 "--top-p", "--top-k", "--seed", "--system", "--max-tokens", "--lookup", "--no-lookup", "--worker"):
+                 "--top-p", "--top-k", "--seed", "--system", "--max-tokens", "--lookup", "--no-lookup", "--worker",
+                 "--cache-ram", "--cache-dir", "--cache-disk"):
         assert flag in result.stdout
+
+
+def test_cache_flags_make_the_sessions_cache_options(tmp_path) -> None:
+    """The flags are dflash-serve's own settings (CacheOptions): sizes parsed, the directory kept for the worker."""
+    args, _ = parse_options(["--cache-ram", "64MiB", "--cache-dir", str(tmp_path), "--cache-disk", "1GiB"])
+    assert args.cache == CacheOptions(cache_ram=64 << 20, cache_dir=tmp_path, cache_disk=1 << 30)
+    assert not parse_options([])[0].cache.enabled

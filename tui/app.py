@@ -255,6 +255,8 @@ class ChatApp(App[None]):
         if not reply.widget.ready:  # a reply that ended before its widget was composed
             self.set_timer(FLUSH_INTERVAL_S, lambda: self.on_reply_finished(message))
             return
+        if message.stats is not None:
+            reply.stats.prompt_cache = message.stats.prompt_cache
         self._flush(final=True)
         text = reply.text
         if message.cancelled:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
-from dflash_gguf.config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, flag, from_arguments
+from dflash_gguf.config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
+                                add_arguments, flag, from_arguments)
 from dflash_gguf.tui.options import CHAT_GENERATION, ChatOptions
 
 PROG = "dflash-chat"
@@ -35,6 +36,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the embedded drafter)")
     add_arguments(parser, SessionOptions, SESSION)
     add_arguments(parser, GenerationConfig, GENERATION, max_tokens=CHAT_GENERATION.max_tokens)
+    add_arguments(parser, CacheOptions, PROMPT_CACHE_SETTINGS)  # a reply's prompt state, kept for the next chat
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--tools", type=Path, default=None,
                         help="a JSON file with a list of OpenAI-shaped function tools the model may call; each call is "
@@ -57,6 +59,7 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
     args = parser.parse_args(argv)
     generation = from_arguments(parser, GenerationConfig, args, GENERATION)
     args.session = from_arguments(parser, SessionOptions, args, SESSION)
+    args.cache = from_arguments(parser, CacheOptions, args, PROMPT_CACHE_SETTINGS)
     if args.n_ctx < MIN_N_CTX:
         parser.error(f"argument {flag(SessionOptions, 'n_ctx')}: must be >= {MIN_N_CTX} for a chat, got {args.n_ctx}")
     _check_file(parser, "--target", args.target)
@@ -82,7 +85,7 @@ def _open_worker(args: argparse.Namespace):
     """The reply worker with its Session open, so a bad file fails before the UI takes the terminal."""
     from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 
-    spec = SessionSpec(args.target, args.drafter, args.session)
+    spec = SessionSpec(args.target, args.drafter, args.session, args.cache)
     if args.worker == "process":
         return ProcessWorker(spec), None
     from dflash_gguf.tui.worker import ThreadWorker

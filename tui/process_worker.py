@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dflash_gguf.config import GenerationConfig, SessionOptions
+from dflash_gguf.config import CacheOptions, GenerationConfig, SessionOptions
 from dflash_gguf.steps import Step
 from dflash_gguf.tui.messages import ReplyFailed
 from dflash_gguf.tui.worker import Post, ReplyEnd, ReplyWorker, SessionInfo, run_reply
@@ -31,16 +31,18 @@ CLOSE_WAIT_S = 10.0
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """The Session to open in the worker process: Session's own arguments (picklable)."""
+    """The Session to open in the worker process: Session's own arguments (picklable). The prompt cache
+    travels as its settings and is opened where the Session runs: a PromptCache holds a lock and live bytes."""
 
     target: Path | None = None
     drafter: Path | None = None
     options: SessionOptions = field(default_factory=SessionOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
 
     def open(self):
         from dflash_gguf.session import Session
 
-        return Session(self.target, self.drafter, self.options)
+        return Session(self.target, self.drafter, self.options, prompt_cache=self.cache.open())
 
 
 def _serve(spec: SessionSpec, requests: Connection, events: Connection, cancelled_upto: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from dflash_gguf.prompt_cache import CacheEvent
 from dflash_gguf.stats import Calibration, SourceStats, StatsBuilder
 from dflash_gguf.steps import Step, StepKind
 
@@ -26,6 +27,8 @@ class ReplyStats:
         self.block_size: int | None = None
         self.reason = ""
         self.prefill_s: float | None = None
+        # what the prompt cache did, from the Session's stats once the reply ended (None: not yet, or no cache)
+        self.prompt_cache: CacheEvent | None = None
 
     def observe(self, step: Step) -> None:
         self.builder.add(step)

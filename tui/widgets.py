@@ -17,6 +17,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Static
 
 from dflash_gguf.kinds import all_kinds
+from dflash_gguf.prompt_cache import CacheEvent
 from dflash_gguf.stats import Baseline, Calibration, SourceStats
 from dflash_gguf.stats import speedup as speedup_of
 from dflash_gguf.tool_calls import ToolCall
@@ -324,6 +325,17 @@ def _ratio(value: float | None, hide: bool) -> str:
     return f"{HIDDEN}×" if hide else f"{value:.2f}×"
 
 
+def _prompt_cache_rows(event: CacheEvent | None, hide: bool) -> list[tuple[str, str]]:
+    """The prompt cache's restore and store for the last reply, as the Session recorded them."""
+    if event is None:
+        return [("restored", "—"), ("stored", "—")]
+    restored = "miss"
+    if event.tier is not None:
+        restored = f"{event.tier} {event.n_restored} tok · {_seconds(event.restore_ms / 1000, hide)}"
+    stored = f"yes · {_seconds(event.store_ms / 1000, hide)}" if event.stored else "no"
+    return [("restored", restored), ("stored", stored)]
+
+
 class StatsPanel(VerticalScroll):
     """Live figures of the running (or last) reply, and the measured plain-decoding baseline."""
 
@@ -344,6 +356,9 @@ class StatsPanel(VerticalScroll):
         yield AcceptanceHistogram(id="histogram")
         yield Label("accepted tokens per cycle", classes="heading")
         yield Sparkline([], id="sparkline")
+        if self.info.prompt_cache:
+            yield Label("prompt cache", classes="heading")
+            yield Static(id="prompt-cache", markup=False)
         yield Label("compare with plain decoding", classes="heading")
         yield Static(COMPARE_HINT, id="compare", markup=False)
 
@@ -368,6 +383,8 @@ class StatsPanel(VerticalScroll):
         ]
         self._draw_rows("#figures", rows)
         self._show_sources(stats)
+        if self.info.prompt_cache:
+            self._draw_rows("#prompt-cache", _prompt_cache_rows(stats.prompt_cache, hide))
         self.query_one(AcceptanceHistogram).show(stats.slot_rates())
         recent = [float(n) for n in stats.recent_accepted]
         sparkline = self.query_one(Sparkline)

@@ -42,6 +42,7 @@ class SessionInfo:
     lookup: bool  # whether n-gram lookup drafts (next to the drafter, or alone)
     device: str  # where the target's layers are: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
     chat_template: str | None = None  # the GGUF's: --tools is checked against it, a reply's calls read with it
+    prompt_cache: bool = False  # whether the Session has a prompt cache (--cache-ram / --cache-dir)
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
@@ -54,6 +55,7 @@ class SessionInfo:
             lookup=session.lookup,
             device=session.placement.device,
             chat_template=session.target.chat_template(),
+            prompt_cache=session.prompt_cache is not None,
         )
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
-from ..config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
-from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, CacheOptions, ServerConfig
+from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
+                      add_arguments, from_arguments)
+from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
 
 PROG = "dflash-serve"
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
 GENERATION = ("block_size",)
-CACHE = ("cache_ram", "cache_dir", "cache_disk")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
     add_arguments(p, SessionOptions, SESSION)  # per slot
     add_arguments(p, GenerationConfig, GENERATION)  # server-wide; each request's own fields apply over them
-    add_arguments(p, CacheOptions, CACHE)  # one prompt cache, shared by every slot
+    add_arguments(p, CacheOptions, PROMPT_CACHE_SETTINGS)  # one prompt cache, shared by every slot
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
     p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
@@ -64,7 +64,7 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
     if a.api_key is not None and not a.api_key:
         p.error("--api-key must not be empty")
     return (from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION),
-            from_arguments(p, CacheOptions, a, CACHE))
+            from_arguments(p, CacheOptions, a, PROMPT_CACHE_SETTINGS))
 
 
 def is_loopback(host: str) -> bool:
@@ -96,12 +96,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def open_sessions(a: argparse.Namespace, options: SessionOptions, cache: CacheOptions | None = None) -> list:
     """Slot 0 opens the models, the others fork it; all share one prompt cache (if any)."""
-    from ..prompt_cache import PromptCache
     from ..session import Session
 
-    prompt_cache = None
-    if cache is not None and cache.enabled:
-        prompt_cache = PromptCache(cache.cache_ram, cache.cache_dir, cache.cache_disk)
+    prompt_cache = None if cache is None else cache.open()
     first = Session(a.target, a.drafter, options, prompt_cache=prompt_cache)
     sessions = [first]
     try:

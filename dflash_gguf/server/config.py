@@ -2,54 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from ..config import GenerationConfig, _check_fields, setting
-from ..prompt_cache import DEFAULT_DISK_BYTES, parse_size
+from ..config import GenerationConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 DEFAULT_MODEL_ALIAS = "dflash"
-
-
-def _size(value: Any) -> int:
-    """A byte count: an integer >= 0, or a size such as 512MiB / 2GiB."""
-    if isinstance(value, str):
-        return parse_size(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"must be a size such as 512MiB or 2GiB, or an integer >= 0, got {value!r}")
-    return value
-
-
-def _directory(value: Any) -> Path | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise TypeError(f"must be None or a directory path, got {value!r}")
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
-    return path
-
-
-@dataclass(frozen=True)
-class CacheOptions:
-    """The prompt cache every slot shares (llama-server's --cache-ram; a disk tier that survives a restart)."""
-
-    cache_ram: int = setting(0, _size, "RAM for the prompt cache, e.g. 2GiB (0: no RAM tier)", parse=str)
-    cache_dir: Path | None = setting(None, _directory, "directory of the prompt cache's disk tier (kept across "
-                                     "restarts; default: none)", parse=str)
-    cache_disk: int = setting(DEFAULT_DISK_BYTES, _size, "disk budget of --cache-dir, e.g. 20GiB (default: 8GiB)",
-                              parse=str)
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-    @property
-    def enabled(self) -> bool:
-        return self.cache_ram > 0 or self.cache_dir is not None
 
 
 @dataclass(frozen=True)
