@@ -22,7 +22,7 @@ from .stats import GenerationStats, generation_speedup
 
 GENERATION = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
               "frequency_penalty", "seed", "block_size")
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -151,6 +151,8 @@ class SessionOptions:
     wait: bool = setting(True, boolean, "a second caller waits for the running generation (False: SessionBusyError)")
     n_rs_seq: int | None = setting(None, optional(integer(0), "sized for the drafter"),
                                    "recurrent-state snapshots per sequence on hybrid targets")
+    recalibrate: bool = setting(False, boolean, "measure the verify and draft costs again instead of reusing the "
+                                "ones saved for this build, device, models and settings", parse=bool)
     lookup: bool | None = setting(None, optional_boolean("on only without a drafter"),
                                   "n-gram lookup drafts (copies from prompt and reply) next to the drafter "
                                   "(default: on only without a drafter)", parse=bool)

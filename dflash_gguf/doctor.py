@@ -16,11 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from .bench.machine import backends
+from .backends import GPU_KINDS, Device, build
 from .cli_parser import EXIT_BAD_INPUT, OneLineParser
 from .config import SessionOptions, add_arguments, from_arguments
 from .llama_ext import MissingSymbolError, layer_input_api_present
-from .target import system_info
 
 PROG = "dflash-doctor"
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads")
@@ -39,10 +38,9 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
     from .session import Session
     from .timing import calibrate
 
-    info = system_info()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    report: dict[str, Any] = {"machine": {"cpu_count": os.cpu_count(), "load_average": load}, "build": {"backends": backends(info), "layer_input_api": layer_input_api_present(),
-                                        "system_info": info}}
+    report: dict[str, Any] = {"machine": {"cpu_count": os.cpu_count(), "load_average": load},
+                              "build": {**build(), "layer_input_api": layer_input_api_present()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no drafter" and similar: the report says it in its own words
         session = Session(target, drafter, options)
@@ -50,7 +48,8 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
         t = session.target
         report["pair"] = {
             "target": str(t.path), "architecture": t.architecture, "fingerprint": t.fingerprint(),
-            "n_gpu_layers": t.n_gpu_layers, "drafter": None if session.drafter is None else str(session.drafter.path),
+            "n_gpu_layers": t.n_gpu_layers, "target_placement": session.placement.as_dict(),
+            "drafter": None if session.drafter is None else str(session.drafter.path),
             "speculation_off_because": session.speculative_disabled_reason,
         }
         if session.drafter is None:
@@ -58,6 +57,7 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
             return report
         d = session.drafter
         report["pair"].update(kind=d.kind, block_size=d.block_size, n_gpu_layers_draft=d.n_gpu_layers,
+                              drafter_placement=session.drafter_placement.as_dict(),
                               n_rs_seq=t.n_rs_seq, rollback=session.memory.name)
         block = min(d.block_size, t.n_batch, t.n_ctx_seq - 1)
         costs = calibrate(t, d, memory=session.memory, max_block=block)
@@ -88,14 +88,18 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
 def advice(report: dict[str, Any]) -> list[str]:
     """What the figures say to do, one line each."""
     pair, out = report["pair"], []
-    gpu = [b for b in report["build"]["backends"].split(", ") if b not in ("CPU", "unknown")]
+    gpu = [d["name"] for d in report["build"]["devices"] if d["kind"] in GPU_KINDS]
+    target_on = pair["target_placement"]
     if pair.get("speculation_off_because"):
         out.append(f"speculation is off for this target: {pair['speculation_off_because']}")
     if pair["drafter"] is None:
         out.append("no drafter: only lookup drafts (copies from the context); --drafter FILE adds one")
         return out
-    if gpu and pair["n_gpu_layers"] == 0:
-        out.append(f"a GPU backend is built in ({', '.join(gpu)}) but nothing is offloaded: --n-gpu-layers -1")
+    if gpu and not target_on["devices"]:
+        out.append(f"a GPU is there ({', '.join(gpu)}) but the target runs on the CPU: --n-gpu-layers -1")
+    elif target_on["devices"] and pair["drafter_placement"]["backend"] != target_on["backend"]:
+        out.append(f"the drafter runs on {pair['drafter_placement']['device']}, apart from the target "
+                   f"({target_on['device']}): every cycle copies features between them; --n-gpu-layers-draft -1")
     ceiling, speedup = report["ceiling"], report["expected_speedup"]
     best = max(ceiling, key=ceiling.get)
     out.append(f"the verify cost caps any drafter at {ceiling[best]:.2f}x, reached at block {best}")
@@ -115,14 +119,14 @@ def advice(report: dict[str, Any]) -> list[str]:
 
 def to_text(report: dict[str, Any]) -> str:
     build, pair = report["build"], report["pair"]
-    lines = [f"build      backends {build['backends']}; layer-input API "
-             f"{'present' if build.get('layer_input_api') else 'missing'}",
-             f"target     {pair['target']} ({pair['architecture']}, fingerprint {pair['fingerprint'][:16]}, "
-             f"{pair['n_gpu_layers']} layers offloaded)"]
+    devices = ", ".join(Device(**d).label for d in build["devices"])
+    lines = [f"build      llama-cpp-python {build['llama_cpp_python']}; backends {build['backends']}; "
+             f"devices {devices}; layer-input API {'present' if build.get('layer_input_api') else 'missing'}",
+             f"target     {pair['target']} ({pair['architecture']}, fingerprint {pair['fingerprint'][:16]}) "
+             f"on {_where(pair['target_placement'])}"]
     if pair["drafter"] is not None:
-        lines.append(f"drafter    {pair['drafter']} ({pair['kind']}, block {pair['block_size']}, "
-                     f"{pair['n_gpu_layers_draft']} layers offloaded; rollback {pair['rollback']}, "
-                     f"n_rs_seq {pair['n_rs_seq']})")
+        lines.append(f"drafter    {pair['drafter']} ({pair['kind']}, block {pair['block_size']}; rollback "
+                     f"{pair['rollback']}, n_rs_seq {pair['n_rs_seq']}) on {_where(pair['drafter_placement'])}")
         costs = report["costs"]
         lines.append(f"costs      plain step {costs['plain_step_ms']:.2f} ms; draft pass {costs['draft_pass_ms']:.2f} ms")
         lines.append("block      " + " ".join(f"{n:>5}" for n in costs["verify_relative"]))
@@ -140,6 +144,10 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"note       load average {machine['load_average']:.1f} on {machine['cpu_count']} cores while "
                      "measuring: other work disturbed these timings; rerun on a quieter machine")
     return "\n".join(lines) + "\n"
+
+
+def _where(placement: dict[str, Any]) -> str:
+    return f"{placement['device']} ({placement['layers_offloaded']} layers offloaded)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

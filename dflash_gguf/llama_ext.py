@@ -128,6 +128,28 @@ get_embeddings_nextn = _bind(
 )
 
 
+# int32_t llama_model_n_devices(const llama_model * model): the devices libllama offloads this model's layers to
+model_n_devices = _bind(
+    (
+        "llama_model_n_devices",
+        "_Z21llama_model_n_devicesPK11llama_model",
+        "?llama_model_n_devices@@YAHPEBUllama_model@@@Z",
+    ),
+    [_model],
+    ctypes.c_int32,
+)
+
+# ggml_backend_dev_t llama_model_get_device(const llama_model * model, int i); bound as an address (NULL: None)
+model_get_device = _bind(
+    (
+        "llama_model_get_device",
+        "_Z22llama_model_get_devicePK11llama_modeli",
+        "?llama_model_get_device@@YAPEAUggml_backend_device@@PEBUllama_model@@H@Z",
+    ),
+    [_model, ctypes.c_int],
+    ctypes.c_void_p,
+)
+
 def target_layer_ids(model: Any) -> list[int]:
     """The drafter's `dflash.target_layers` as libllama loaded them."""
     n = model_target_layer_ids_n(model)

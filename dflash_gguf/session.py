@@ -7,17 +7,19 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import llama_cpp
 from llama_cpp import llama_chat_format
 
-from . import defaults
+from . import calibration_store, defaults
 from .checks import SettingError, SettingTypeError
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
 from .constraints import Constraint, ForcedTokenSource
+from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, decode_steps
 from .drafter import Drafter
@@ -30,6 +32,7 @@ from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
+from .tool_calls import ToolCall, ToolError, ToolPlan, openai_delta, plan_tools, prepare_messages
 
 Message = Mapping[str, Any]
 
@@ -46,10 +49,15 @@ class SessionBusyError(RuntimeError):
 
 @dataclass(frozen=True)
 class Result:
+    """A finished generation. With tools, `tool_calls` holds the calls the model made (finish_reason
+    "tool_calls") and `content` the text around them; `text` is always the whole reply as generated."""
+
     text: str
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the config asked for logprobs
 
 
@@ -129,6 +137,7 @@ class Session:
         except BaseException:
             tgt.close()
             raise
+        self._recalibrate = o.recalibrate
         self._llama: llama_cpp.Llama | None = None
 
     @classmethod
@@ -198,6 +207,8 @@ class Session:
         self._lookup: LookupSource | None = None
         self._native_source: NativeDrafterSource | None = None
         self._costs: CostModel | None = None  # what every source is priced with, measured once
+        self._recalibrate = False  # measure even where costs are saved for this key (SessionOptions.recalibrate)
+        self.calibration_source: str | None = None  # 'saved' or 'measured' once the costs are known
         unusable = _no_speculation_reason(target, self.memory)
         if unusable is not None:
             self.speculative_disabled_reason = unusable
@@ -240,15 +251,51 @@ class Session:
         """Complete a raw prompt."""
         return self._collect(self.stream(prompt, config, **settings))
 
-    def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Result:
-        """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix."""
-        return self._collect(self.stream_chat(messages, config, **settings))
+    def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
+             tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Result:
+        """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix.
 
-    def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, **settings: Any) -> Iterator[Step]:
-        """chat(), one Step per decode cycle; the template's stop strings are added to the caller's."""
-        config = GenerationConfig.build(config, **settings)
-        prompt, stops = self.render_chat(messages)
-        return self._steps(self.tokenize(prompt, add_special=False), config.with_stops(stops))
+        tools (OpenAI-shaped: [{"type": "function", "function": {"name", "parameters", ...}}]) are rendered by
+        the template; the calls the model makes come back in Result.tool_calls, each one's arguments held to
+        its tool's schema while it is written. tool_choice: "auto" (default), "none", "required" or
+        {"type": "function", "function": {"name": ...}}. Bad tools or tool messages raise ToolError naming the field.
+        """
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        result = self._collect(self._chat_steps(messages, plan, GenerationConfig.build(config, **settings)))
+        if plan is None or not plan.parses:
+            return result
+        content, calls = plan.read(result.text)
+        return replace(result, tool_calls=tuple(calls), content=content,
+                       finish_reason="tool_calls" if calls else result.finish_reason)
+
+    def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
+                    tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Iterator[Step]:
+        """chat(), one Step per decode cycle (the raw reply: read calls from it with tool_plan(...).stream());
+        the template's stop strings are added to the caller's."""
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        return self._chat_steps(messages, plan, GenerationConfig.build(config, **settings))
+
+    def tool_plan(self, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolPlan | None:
+        """The tools checked against this model's chat template: the family that writes and reads the calls,
+        and the grammar the reply follows (None without tools)."""
+        self._check_open()
+        return plan_tools(self.target.chat_template(), tools, tool_choice, parallel_tool_calls)
+
+    def chat_config(self, config: GenerationConfig, plan: ToolPlan | None) -> GenerationConfig:
+        """The config a tool plan generates under: its grammar (tools and a caller's constraint exclude each
+        other), and its family's end-of-turn strings among the stops."""
+        if plan is None:
+            return config
+        if plan.grammar is not None:
+            if config.constraint is not None:
+                kind = config.constraint.kind
+                raise ToolError("tools", f"give tools or a {kind} constraint, not both (the tools bring their own grammar)")
+            config = GenerationConfig.build(config, grammar=plan.grammar)
+        return config.with_stops(plan.family.stops)
+
+    def _chat_steps(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig) -> Iterator[Step]:
+        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
+        return self._steps(self.tokenize(prompt, add_special=False), self.chat_config(config, plan).with_stops(stops))
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
@@ -302,6 +349,10 @@ class Session:
                 memory=self.memory.name,
                 memory_extra_bytes=self.memory.extra_bytes,
                 speculative_disabled_reason=self.speculative_disabled_reason,
+                backend=self.placement.backend,
+                device=self.placement.device,
+                drafter_device=None if self.drafter_placement is None else self.drafter_placement.device,
+                calibration_source=self.calibration_source,
             )
         finally:
             self._leave_generation()
@@ -357,13 +408,30 @@ class Session:
             if self._native_source is not None:
                 controller = self._controller()
                 if n > max(controller.costs.target.points()):
-                    self._make_room(n)
-                    controller.costs = extend_verify_costs(controller.costs, self.target, memory=self.memory, max_tokens=n)
+                    shorter = controller.costs
+
+                    def extend() -> CostModel:
+                        self._make_room(n)
+                        return extend_verify_costs(shorter, self.target, memory=self.memory, max_tokens=n)
+
+                    controller.costs = self._calibrated({"drafter_block": controller.max_draft + 1, "verify_tokens": n},
+                                                        extend)
                 self._costs = controller.costs
             else:
-                self._make_room(n)
-                self._costs = calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+                def measure() -> CostModel:
+                    self._make_room(n)
+                    return calibrate_verify(self.target, memory=self.memory, max_tokens=n)
+
+                self._costs = self._calibrated({"verify_tokens": n}, measure)
         return self._costs
+
+    def _calibrated(self, measurement: dict[str, int], measure: Callable[[], CostModel]) -> CostModel:
+        """The costs saved for this build, device, models and settings, else measured now and saved
+        (calibration_store); `calibration_source` says which, 'measured' if any part was."""
+        key = calibration_store.session_key(self.target, self.drafter, self.memory, measurement)
+        costs, source = calibration_store.saved_or_measured(key, measure, recalibrate=self._recalibrate)
+        self.calibration_source = source if self.calibration_source in (None, source) else calibration_store.MEASURED
+        return costs
 
     def _make_room(self, n: int) -> None:
         """Empty caches before timing batches of n tokens where the context lacks room, or where a hybrid
@@ -380,10 +448,14 @@ class Session:
             room = min(self.target.n_ctx_seq, drafter.n_ctx)
             # the verify batch: the last token and the drafts, after a one-token prefix at most
             block = min(drafter.max_draft + 1, room - 1, self.target.n_batch)
-            # calibrate on empty caches: the context may be too full, a hybrid memory's turn checkpoints must
-            # not see the timing batches, and the drafter may be behind the target (after plain generations)
-            self._forget()
-            costs = calibrate(self.target, drafter, memory=self.memory, max_block=block)
+
+            def measure() -> CostModel:
+                # on empty caches: the context may be too full, a hybrid memory's turn checkpoints must not
+                # see the timing batches, and the drafter may be behind the target (after plain generations)
+                self._forget()
+                return calibrate(self.target, drafter, memory=self.memory, max_block=block)
+
+            costs = self._calibrated({"drafter_block": block}, measure)
             native.controller = BlockController(block - 1, costs)
         return native.controller
 
@@ -407,6 +479,16 @@ class Session:
     def lookup(self) -> bool:
         """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
         return self._lookup is not None
+
+    @cached_property
+    def placement(self) -> Placement:
+        """Where the target's layers are: the backend and device its stats name (CPU unless offloaded)."""
+        return placement(self.target.model, self.target.n_gpu_layers)
+
+    @cached_property
+    def drafter_placement(self) -> Placement | None:
+        """Where the drafter's layers are (n_gpu_layers_draft may keep it off the target's device); None without one."""
+        return None if self.drafter is None else placement(self.drafter._model, self.drafter.n_gpu_layers)
 
     @property
     def n_ctx(self) -> int:
@@ -436,10 +518,14 @@ class Session:
             )
         return tokens
 
-    def render_chat(self, messages: Sequence[Message]) -> tuple[str, list[str]]:
-        """The prompt text from the GGUF's chat template, and the template's stop strings."""
+    def render_chat(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
+                    ) -> tuple[str, list[str]]:
+        """The prompt text from the GGUF's chat template, and the template's stop strings. `tools` (checked
+        ones, from tool_plan) are passed to the template as transformers and llama-cpp-python pass them;
+        assistant tool calls and tool results in `messages` render through it too."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        messages = prepare_messages(messages)
         self._check_open()
         template = self.target.chat_template()
         if template is None:
@@ -449,7 +535,7 @@ class Session:
             eos_token=self.target.special_token_text(self.target.eos_token()),
             bos_token=self.target.special_token_text(self.target.bos_token()),
         )
-        response = formatter(messages=list(messages))
+        response = formatter(messages=messages, tools=list(tools) if tools else None)
         stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])
         return response.prompt, [s for s in stops if s]
 
@@ -465,16 +551,55 @@ class Session:
         return self._completion_chunks(tokens, config, offset) if stream else self._completion(tokens, config, offset)
 
     def create_chat_completion(
-        self, messages: Sequence[Message], *, stream: bool = False, **settings: Any
+        self, messages: Sequence[Message], *, stream: bool = False, tools: Any = None, tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None, **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF;
+        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF; with
+        tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason "tool_calls".
         logprobs=True (with top_logprobs=n alternatives) fills choices[0].logprobs.content as llama_cpp does."""
-        prompt, stops = self.render_chat(messages)
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
         tokens = self.tokenize(prompt, add_special=False)
-        settings = _chat_logprobs(_llama_max_tokens(settings))
-        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **settings).with_stops(stops)
+        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **_chat_logprobs(_llama_max_tokens(settings)))
+        config = self.chat_config(config, plan).with_stops(stops)
+        if plan is not None and plan.parses:
+            return self._tool_chunks(tokens, config, plan) if stream else self._tool_completion(tokens, config, plan)
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
+
+    def _chat_header(self) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": str(self.target.path)}
+
+    def _tool_completion(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> dict[str, Any]:
+        result = self._collect(self._steps(tokens, config))
+        content, calls = plan.read(result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        n = len(result.tokens)
+        return {
+            **self._chat_header(), "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "tool_calls" if calls else result.finish_reason}],
+            "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
+        }
+
+    def _tool_chunks(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> Iterator[dict[str, Any]]:
+        head = {**self._chat_header(), "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        yield chunk({"role": "assistant"})
+        reader = plan.stream()
+        for step in self._steps(tokens, config):
+            pieces = list(reader.feed(step.text))
+            if step.finish_reason is not None:
+                pieces += reader.finish()
+            for piece in pieces:
+                yield chunk(openai_delta(piece))
+            if step.finish_reason is not None:
+                yield chunk({}, "tool_calls" if reader.calls else step.finish_reason)
 
     def _completion_header(self) -> dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": str(self.target.path)}

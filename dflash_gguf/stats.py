@@ -126,6 +126,10 @@ class GenerationStats:
     speculative_disabled_reason: str | None = None
     loop_tokens_per_s: float | None = None  # committed tokens over loop_s: the rate every speedup divides
     confidence: Calibration | None = None  # where the drafts carried confidences (DSpark's head)
+    backend: str | None = None  # where the target's layers ran: CPU, Vulkan, CUDA, MTL (Metal); 'CUDA, CPU': partly offloaded
+    device: str | None = None  # the target's device: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
+    drafter_device: str | None = None  # the drafter's, which n_gpu_layers_draft may make another; None without one
+    calibration_source: str | None = None  # the cost model: 'saved' (reused from disk), 'measured', None (not needed)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -249,6 +253,10 @@ class StatsBuilder:
         memory: str | None = None,
         memory_extra_bytes: int = 0,
         speculative_disabled_reason: str | None = None,
+        backend: str | None = None,
+        device: str | None = None,
+        drafter_device: str | None = None,
+        calibration_source: str | None = None,
     ) -> GenerationStats:
         decode_s = max(wall_s - self.prefill_s, 1e-9)
         baseline = self.in_reply_plain_tokens_per_s
@@ -282,6 +290,10 @@ class StatsBuilder:
             speculative_disabled_reason=speculative_disabled_reason,
             loop_tokens_per_s=self.loop_tokens_per_s,
             confidence=self.calibration,
+            backend=backend,
+            device=device,
+            drafter_device=drafter_device,
+            calibration_source=calibration_source,
         )
 
 

@@ -95,17 +95,8 @@ export DFLASH_LLAMA_CPP_SRC="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 # 4. the tier: the lossless tests as they are, every model loaded with every layer on the device
 # (tests/offload_all.py), compared with plain decoding on the same backend; then the device-only checks.
 # Arguments replace the default selection: scripts/test_vulkan.sh tests/test_vulkan.py -x
-tests=(
-    tests/test_vulkan.py
-    tests/test_session.py
-    tests/test_dspark.py::test_greedy_session_equals_plain_decoding
-    tests/test_dspark.py::test_sampled_session_follows_the_target_distribution
-    tests/test_lookup_session.py
-    tests/test_hybrid_session.py
-    tests/test_session_sampling.py
-    tests/test_native_lifetime.py
-    tests/test_server.py
-)
+tests=()
+while read -r line; do tests+=("$line"); done < <(grep -Ev '^[[:space:]]*(#|$)' scripts/lossless_tier.txt)  # shared with gpu_check.sh
 [ $# -eq 0 ] || tests=("$@")
 vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName" || true
 start=$(date +%s)

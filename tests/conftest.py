@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from dflash_gguf.convert import convert_checkpoint
+from dflash_gguf.calibration_store import ENV_DIR as CALIBRATION_DIR
 from dflash_gguf.defaults import embedded_target as _embedded_target
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_dir(tmp_path_factory, monkeypatch) -> None:
+    """Each test saves and reuses calibration in a folder of its own: none reads another test's costs
+    (or the user's cache), so what a test measures does not depend on the order tests ran in."""
+    monkeypatch.setenv(CALIBRATION_DIR, str(tmp_path_factory.mktemp("calibration")))
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +78,14 @@ def dspark(tmp_path_factory, embedded_target):
     from test_dspark import Built
 
     return Built(tmp_path_factory.mktemp("dspark"), embedded_target)
+
+
+# --- tool calling (issue 22) -----------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tool_targets(tmp_path_factory, embedded_target):
+    """Copies of the embedded target carrying each tool family's chat template: `tool_targets.path("hermes")`."""
+    from tool_fixtures import ToolTargets
+
+    return ToolTargets(tmp_path_factory.mktemp("tool_targets"), embedded_target)

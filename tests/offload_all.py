@@ -3,43 +3,25 @@
 scripts/test_vulkan.sh loads it so that the ordinary lossless tests run unchanged on a device backend:
 targets, drafters and the llama_cpp.Llama references they compare with all pass through
 llama_model_load_from_file, so greedy output is compared with plain decoding on the same backend.
+With DFLASH_OFFLOAD_FLASH_ATTN=off every context is made without flash attention (lavapipe crashes in
+its driver on some flash-attention batches: docs/BACKENDS.md), references and Sessions alike.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import threading
 
 import pytest
 from llama_cpp import llama_cpp as capi
-from llama_cpp._ggml import libggml
 from llama_cpp._logger import llama_log_callback
+
+from dflash_gguf.backends import gpu_devices
 
 ALL_LAYERS = 0x7FFFFFFF  # what n_gpu_layers=-1 becomes in llama-cpp-python and dflash_gguf.target
 DEVICES = pytest.StashKey[list]()  # the GPU devices found, for the report header
-GPU_TYPES = (1, 2)  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU (ggml-backend.h)
-
-libggml.ggml_backend_dev_count.argtypes = []
-libggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-libggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-libggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-for _name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-    getattr(libggml, _name).argtypes = [ctypes.c_void_p]
-    getattr(libggml, _name).restype = ctypes.c_char_p
-libggml.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-libggml.ggml_backend_dev_type.restype = ctypes.c_int
-
-
-def gpu_devices() -> list[str]:
-    """'name (description)' of each GPU device ggml registered; libllama offloads to these."""
-    capi.llama_backend_init()  # loads the backends of a GGML_BACKEND_DL build; idempotent
-    out = []
-    for i in range(libggml.ggml_backend_dev_count()):
-        dev = libggml.ggml_backend_dev_get(i)
-        if libggml.ggml_backend_dev_type(dev) in GPU_TYPES:
-            out.append(f"{libggml.ggml_backend_dev_name(dev).decode()} ({libggml.ggml_backend_dev_description(dev).decode()})")
-    return out
 
 
 _load = capi.llama_model_load_from_file
@@ -75,16 +57,28 @@ def _load_offloaded(path_model: bytes, params: capi.llama_model_params) -> capi.
     return model
 
 
+_init = capi.llama_init_from_model
+
+
+def _init_without_flash_attn(model: capi.llama_model_p, params: capi.llama_context_params) -> capi.llama_context_p:
+    params = capi.llama_context_params.from_buffer_copy(params)
+    params.flash_attn_type = capi.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return _init(model, params)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    devices = gpu_devices()
+    devices = [d.label for d in gpu_devices()]
     if not devices:
         raise pytest.UsageError(
             "offload_all: this libllama has no GPU device (a Vulkan build on lavapipe needs GGML_VK_VISIBLE_DEVICES=0)"
         )
     config.stash[DEVICES] = devices
     capi.llama_model_load_from_file = _load_offloaded
+    if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off":
+        capi.llama_init_from_model = _init_without_flash_attn
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}"
+    flash = ", flash attention off" if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off" else ""
+    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{flash}"
 

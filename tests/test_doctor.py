@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dflash_gguf.backends import gpu_devices
 from dflash_gguf.doctor import main
 
 
@@ -14,7 +15,11 @@ def test_the_report_measures_the_pair_on_this_machine(capsys):
     assert main(["--json", "--n-ctx", "1024", "--threads", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["build"]["layer_input_api"] is True and "CPU" in report["build"]["backends"]
+    assert [d["name"] for d in report["build"]["devices"] if d["kind"] == "cpu"] == ["CPU"]
     pair = report["pair"]
+    if not gpu_devices():  # where the layers are, from the models' own device lists: the CPU here
+        assert pair["target_placement"] == {"backend": "CPU", "device": "CPU", "layers_offloaded": "0/31", "devices": []}
+        assert pair["drafter_placement"]["device"] == "CPU"
     assert pair["kind"] == "dflash" and pair["block_size"] == 16 and len(pair["fingerprint"]) >= 16
     relative = {int(n): v for n, v in report["costs"]["verify_relative"].items()}
     assert relative[1] == 1.0 and all(relative[n] <= relative[n + 1] for n in range(1, 16))  # measured, monotone
@@ -29,6 +34,9 @@ def test_the_report_measures_the_pair_on_this_machine(capsys):
     assert main(["--n-ctx", "1024", "--threads", "2"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("build ") and "t(n)/t(1)" in text and "advice " in text
+    assert "devices " in text and " layers offloaded)" in text
+    if not gpu_devices():
+        assert "devices CPU;" in text and "on CPU (0/31 layers offloaded)" in text
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -87,12 +87,42 @@ def main_url(base):
 
 
 @pytest.fixture(scope="module")
-def tight_url(base):
-    sessions = [base.fork()]
-    with serve(sessions, ServerConfig(max_queue=1, generation=GenerationConfig(block_size=TIGHT_BLOCK))) as url:
+def tight_session(base):
+    """The tight server's one slot."""
+    s = base.fork()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def tight_url(tight_session):
+    with serve([tight_session], ServerConfig(max_queue=1, generation=GenerationConfig(block_size=TIGHT_BLOCK))) as url:
         yield url
-    for s in sessions:
-        s.close()
+
+
+@contextlib.contextmanager
+def held(session):
+    """Hold each of the session's generations after every Step until the yielded Event is set, so that a
+    reply is still running while the test acts, however fast the machine decodes (never by its length).
+    The server runs in this process, so the slot's own Session is the one held."""
+    release = threading.Event()
+    stream_tokens = session.stream_tokens
+
+    def holding(*args, **kwargs):
+        steps = stream_tokens(*args, **kwargs)
+        try:
+            for step in steps:
+                yield step
+                release.wait()
+        finally:
+            steps.close()
+
+    session.stream_tokens = holding
+    try:
+        yield release
+    finally:
+        release.set()
+        del session.stream_tokens
 
 
 @pytest.fixture(scope="module")
@@ -355,25 +385,28 @@ def _metric(url, name, headers=None):
     raise AssertionError(f"{name} not in /metrics")
 
 
-# seeded: the same sampled reply every run (on one machine's kernels), so an early end of text is not left to chance
-LONG = {"messages": ask("Tell me a very long story about a dragon."), "max_tokens": 2000, "temperature": 0.7,
-        "seed": 7, "stream": True}
+# a streamed reply the tests hold open (held()): its length only bounds it once released
+LONG = {"messages": ask("Tell me a very long story about a dragon."), "max_tokens": 64, "temperature": 0.0,
+        "stream": True}
 
 
-def test_disconnect_mid_stream_frees_the_slot(tight_url):
+def test_disconnect_mid_stream_frees_the_slot(tight_url, tight_session):
     cancelled = _metric(tight_url, "dflash_requests_cancelled_total")
-    with httpx.stream("POST", tight_url + "/v1/chat/completions", json=LONG, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert any(line.startswith("data: ") and "content" in line for line in lines)
-    _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
-    assert _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 1
+    with held(tight_session) as release:
+        with httpx.stream("POST", tight_url + "/v1/chat/completions", json=LONG, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert any(line.startswith("data: ") and "content" in line for line in lines)
+        # the server saw the client go while the reply was still held mid-generation
+        _wait_for(lambda: _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 1, timeout=15)
+        release.set()
+        _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
     r = httpx.post(tight_url + "/v1/chat/completions", json={"messages": ask("Hi"), "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
-def test_full_queue_gives_429_with_retry_after(tight_url):
-    with httpx.stream("POST", tight_url + "/v1/chat/completions", json=LONG, timeout=60) as first:
+def test_full_queue_gives_429_with_retry_after(tight_url, tight_session):
+    with held(tight_session) as release, httpx.stream("POST", tight_url + CHAT, json=LONG, timeout=60) as first:
         assert first.status_code == 200
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(httpx.post, tight_url + "/v1/completions",
@@ -384,6 +417,7 @@ def test_full_queue_gives_429_with_retry_after(tight_url):
             assert int(refused.headers["retry-after"]) >= 1
             assert refused.json()["error"]["code"] == "queue_full"
             first.close()  # the running stream goes: the queued request gets the slot
+            release.set()
             assert queued.result().status_code == 200
     assert _metric(tight_url, 'dflash_requests_rejected_total{reason="queue_full"}') >= 1
 
@@ -430,7 +464,8 @@ MALFORMED = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, 400, "unsupported_parameter", "echo"),
     ("/v1/messages", {"model": "smol", "messages": ask("Hi")}, 400, "invalid_value", "max_tokens"),
-    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "tools": [{"name": "f"}]},
+    ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"),
+                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
      400, "tools_unsupported", "tools"),
     ("/v1/messages", {"model": "smol", "max_tokens": 4, "messages": ask("Hi"), "output_config": {"format": {
         "type": "json_schema", "schema": {"type": "nonsense"}}}}, 400, "invalid_value", "output_config.format.schema"),
@@ -529,18 +564,21 @@ def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(base)
             assert a_slot != b_slot
             a = opening[0] + [{"role": "assistant", "content": a_text}]
             b = opening[1] + [{"role": "assistant", "content": b_text}]
-            held = {slot.id: on_loop(pool.acquire, pool.slots[slot.id].cached) for slot in pool.slots}
-            assert all(held[i].id == i for i in held) and _health(url)["slots_idle"] == 0
+            assert _health(url)["slots_idle"] == 2  # a reply's slot is free by the time its answer arrives
+            taken = {slot.id: on_loop(pool.acquire, pool.slots[slot.id].cached) for slot in pool.slots}
+            assert all(taken[i].id == i for i in taken) and _health(url)["slots_idle"] == 0
             follow = {"role": "user", "content": "And then?"}
             queued_b = threads.submit(turn, b + [follow])
             _wait_for(lambda: _health(url)["queue_depth"] == 1)
-            queued_a = threads.submit(turn, a + [follow], 48)  # long enough to still run when B's slot frees
-            _wait_for(lambda: _health(url)["queue_depth"] == 2)
-            on_loop(pool.release, held[a_slot], None)  # A's slot frees: B's turn is first in line, A's lives here
-            _wait_for(lambda: _health(url)["queue_depth"] == 1)
-            on_loop(pool.release, held[b_slot], None)
+            with held(sessions[a_slot]) as a_running:  # A's turn still runs when B's slot frees
+                queued_a = threads.submit(turn, a + [follow])
+                _wait_for(lambda: _health(url)["queue_depth"] == 2)
+                on_loop(pool.release, taken[a_slot], None)  # A's slot frees: B's turn is first in line, A's lives here
+                _wait_for(lambda: _health(url)["queue_depth"] == 1)
+                on_loop(pool.release, taken[b_slot], None)
+                _, got_b, timings_b = queued_b.result(120)
+                a_running.set()
             _, got_a, timings_a = queued_a.result(120)
-            _, got_b, timings_b = queued_b.result(120)
         assert (got_a, got_b) == (a_slot, b_slot)
         assert timings_a["cache_n"] > 40 and timings_b["cache_n"] > 40
     finally:
@@ -560,7 +598,7 @@ def test_shutdown_refuses_queued_and_new_requests_and_ends_streams(base):
     sessions = [base.fork()]
     app = create_app(sessions, ServerConfig(max_queue=2))
     try:
-        with running(app) as (url, loop), ThreadPoolExecutor(1) as pool:
+        with running(app) as (url, loop), ThreadPoolExecutor(1) as pool, held(sessions[0]) as release:
             with httpx.stream("POST", url + CHAT, json=LONG, timeout=60) as stream:
                 lines = stream.iter_lines()
                 assert stream.status_code == 200 and any("content" in line for line in lines)
@@ -571,6 +609,7 @@ def test_shutdown_refuses_queued_and_new_requests_and_ends_streams(base):
                 refused = queued.result()
                 health = httpx.get(url + "/health")
                 new = httpx.post(url + "/v1/completions", json={"prompt": "Two,", "max_tokens": 4})
+                release.set()  # the held stream's next cycle sees the shutdown's cancellation
                 rest = list(lines)
             for r in (refused, new):
                 assert r.status_code == 503 and r.headers["retry-after"] == "5"
@@ -592,17 +631,22 @@ def test_chunked_body_over_the_limit_is_413(main_url):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
-def test_a_client_that_leaves_while_queued_or_waiting_for_a_whole_reply_is_dropped(tight_url):
+def test_a_client_that_leaves_while_queued_or_waiting_for_a_whole_reply_is_dropped(tight_url, tight_session):
     cancelled = _metric(tight_url, "dflash_requests_cancelled_total")
     long_whole = {**LONG, "stream": False}
-    with httpx.stream("POST", tight_url + "/v1/chat/completions", json=LONG, timeout=60) as first:
-        assert first.status_code == 200
-        with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then gone
-            httpx.post(tight_url + "/v1/chat/completions", json=long_whole, timeout=1.0)
-        _wait_for(lambda: _health(tight_url)["queue_depth"] == 0, timeout=10)
-    _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
-    with pytest.raises(httpx.ReadTimeout):  # generating a whole reply, then gone
-        httpx.post(tight_url + "/v1/chat/completions", json=long_whole, timeout=2.0)
-    _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
-    assert _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 2  # the stream and the whole reply
+    with held(tight_session) as release:
+        with httpx.stream("POST", tight_url + CHAT, json=LONG, timeout=60) as first:
+            assert first.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the held stream, then gone
+                httpx.post(tight_url + CHAT, json=long_whole, timeout=1.0)
+            _wait_for(lambda: _health(tight_url)["queue_depth"] == 0, timeout=10)
+        _wait_for(lambda: _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 1, timeout=15)
+        release.set()
+        _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
+    with held(tight_session) as release:
+        with pytest.raises(httpx.ReadTimeout):  # generating a whole (held) reply, then gone
+            httpx.post(tight_url + CHAT, json=long_whole, timeout=2.0)
+        _wait_for(lambda: _metric(tight_url, "dflash_requests_cancelled_total") == cancelled + 2, timeout=15)
+        release.set()  # the stream and the whole reply were both cancelled
+        _wait_for(lambda: _health(tight_url)["slots_idle"] == 1, timeout=15)
     assert _metric(tight_url, 'dflash_requests_rejected_total{reason="client_gone"}') >= 1

@@ -88,8 +88,10 @@ def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
                 "messages": [{"role": "user", "content": COPY}], "max_tokens": 48, "temperature": 0}).json()
             assert r["dflash"]["per_source"]["lookup"]["n_accepted"] > 0
             assert r["dflash"]["tokens_by_provenance"]["lookup"] > 0
+        # the grammar leaves no end of text before 1500 characters: the stream still runs when the signal lands,
+        # whatever the sampler draws (the server is another process, so no Event can hold it)
         body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000,
-                "temperature": 0.7, "stream": True}
+                "temperature": 0.7, "stream": True, "grammar": "root ::= [a-z ,.]{1500,}"}
         lines = []
         with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():

@@ -9,6 +9,8 @@ import os
 import pickle
 import signal
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from textual.pilot import Pilot
@@ -29,6 +31,36 @@ pytestmark = pytest.mark.slow  # spawns the worker process and generates long re
 @pytest.fixture(scope="module")
 def spec(dflash_gguf_path) -> SessionSpec:
     return SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=2))
+
+
+@dataclass(frozen=True)
+class HeldSpec(SessionSpec):
+    """A SessionSpec whose k-th reply, once it has shown some text, waits in the worker process for
+    `releases[k]` (a multiprocessing Event the test sets): mid-reply however fast the machine decodes."""
+
+    releases: tuple[Any, ...] = ()
+
+    def open(self):
+        session = super().open()
+        stream_chat, releases, replied = session.stream_chat, self.releases, [0]
+
+        def held(*args, **kwargs):
+            release = releases[replied[0]] if replied[0] < len(releases) else None
+            replied[0] += 1
+            text = ""
+            for step in stream_chat(*args, **kwargs):
+                yield step
+                text += step.text
+                if release is not None and len(text) > 8:
+                    release.wait()
+
+        session.stream_chat = held
+        return session
+
+
+def held_spec(spec: SessionSpec, replies_held: int) -> HeldSpec:
+    events = tuple(multiprocessing.get_context("spawn").Event() for _ in range(replies_held))
+    return HeldSpec(spec.target, spec.drafter, spec.options, events)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +91,12 @@ def test_replies_cancel_compare_regenerate_and_new_chat_run_in_the_worker_proces
     run_app(app, scenario)
 
 
-def test_escape_and_new_chat_stop_a_reply_in_the_worker_process(worker, spec) -> None:
-    """Long replies (up to 300 tokens: the counting prompt runs past 100), so that Esc and Ctrl+N land
-    while the worker still decodes, however fast the machine."""
+def test_escape_and_new_chat_stop_a_reply_in_the_worker_process(spec) -> None:
+    """Each of the two long replies is held in the worker after its first text until Esc / Ctrl+N has
+    landed, so both land while the worker still decodes."""
+    held = held_spec(spec, replies_held=2)
+    escape_pressed, new_chat_pressed = held.releases
+    worker = ProcessWorker(held)
     app = ChatApp(worker, options(max_tokens=300))
     with spec.open() as local:
         want = local.chat([{"role": "user", "content": SHORT_PROMPT}], max_tokens=300, block_size=4).text
@@ -71,25 +106,32 @@ def test_escape_and_new_chat_stop_a_reply_in_the_worker_process(worker, spec) ->
         await send(pilot, LONG_PROMPT)
         await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "streamed text")
         await pilot.press("escape")
+        escape_pressed.set()
         await wait_for(pilot, lambda: not app.busy, "the cancelled reply to stop")
         assert "cancelled after" in str(replies(app)[-1].query_one(".status", Static).content)
         # Ctrl+N while a reply streams discards it; the next prompt gets its own reply
         await send(pilot, LONG_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.stats.tokens > 2, "the reply to start")
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "the reply to start")
         await pilot.press("ctrl+n")
+        new_chat_pressed.set()
         await send_and_wait(pilot, SHORT_PROMPT)
         assert [shown_markdown(r) for r in replies(app)] == [want]
 
-    run_app(app, scenario)
+    try:
+        run_app(app, scenario)
+    finally:
+        for release in held.releases:
+            release.set()
+        worker.close()
 
 
 def test_a_worker_that_dies_is_an_error_in_the_ui_never_a_hang(spec) -> None:
-    worker = ProcessWorker(spec)
+    worker = ProcessWorker(held_spec(spec, replies_held=1))  # the reply is held until the process is killed
     app = ChatApp(worker, options(max_tokens=200))
 
     async def scenario(pilot: Pilot) -> None:
         await send(pilot, LONG_PROMPT)
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.stats.tokens > 2, "the reply to start")
+        await wait_for(pilot, lambda: app.reply is not None and len(app.reply.widget.tokens.text) > 8, "the reply to start")
         os.kill(worker.pid, signal.SIGKILL)
         await wait_for(pilot, lambda: not app.busy, "the failure to reach the UI")
         [failed] = replies(app)

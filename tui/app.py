@@ -27,6 +27,7 @@ from textual.widgets import Footer, Header, Input
 from dflash_gguf.session import Session
 from dflash_gguf.stats import Baseline, BaselineSource, GenerationStats
 from dflash_gguf.steps import Step, StepKind
+from dflash_gguf.tool_calls import ToolCall, ToolPlan, plan_tools
 from dflash_gguf.tui.commands import ChatCommands
 from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
 from dflash_gguf.tui.options import ChatOptions
@@ -52,6 +53,7 @@ STATS_INTERVAL_S = 1 / 2
 # drawing held it that long each time (docs/TUI.md measures the effect)
 GIL_SWITCH_INTERVAL_S = 0.0005
 BUSY_HINT = "Still generating — Esc cancels it."
+PROMPT_HINT = "Ask something — Enter sends, ↑ recalls"
 NOT_MEASURED = BaselineSource.NONE.value
 
 
@@ -100,7 +102,13 @@ class ChatApp(App[None]):
         self.options = options or ChatOptions()
         self._owns_worker = isinstance(worker, Session)
         self.worker: ReplyWorker = ThreadWorker(worker) if isinstance(worker, Session) else worker
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
+        # the calls of the last reply that still wait for their results (what the user sends next)
+        self.pending_calls: list[ToolCall] = []
+        # the reply's calls are read with the template's family (None without --tools)
+        self.tool_plan: ToolPlan | None = plan_tools(
+            self.worker.info.chat_template, list(self.options.tools), self.options.tool_choice
+        ) if self.options.tools else None
         self.reply: Reply | None = None
         # a reply running, or one whose worker has not answered yet
         self.busy = False
@@ -119,13 +127,14 @@ class ChatApp(App[None]):
         with Horizontal(id="body"):
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
-                yield PromptInput(placeholder="Ask something — Enter sends, ↑ recalls", id="prompt")
+                yield PromptInput(placeholder=PROMPT_HINT, id="prompt")
             yield StatsPanel(self.worker.info, hide_timing=self.options.hide_timing, id="stats")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
+        self.title = f"{self.TITLE} · {self.worker.info.device}"  # where it runs: CPU unless layers are offloaded
         self.sub_title = self._subtitle()
         self.set_interval(FLUSH_INTERVAL_S, self._flush)
         self._refresh_stats()
@@ -169,15 +178,29 @@ class ChatApp(App[None]):
         prompt_input = self.query_one(PromptInput)
         prompt_input.remember(prompt)
         prompt_input.value = ""
-        self.history.append({"role": "user", "content": prompt})
-        self.transcript.mount(UserMessage(prompt))
+        if self.pending_calls:  # what was typed is the result of the first call still waiting for one
+            call = self.pending_calls.pop(0)
+            self.history.append({"role": "tool", "tool_call_id": call.id, "content": prompt})
+            self.transcript.mount(UserMessage(prompt, role=f"tool result · {call.name}"))
+            self._ask_for_results()
+            if self.pending_calls:
+                return
+        else:
+            self.history.append({"role": "user", "content": prompt})
+            self.transcript.mount(UserMessage(prompt))
         self._start_reply(self._conversation(), speculative=True)
 
-    def _conversation(self) -> list[dict[str, str]]:
+    def _ask_for_results(self) -> None:
+        """The prompt box says which call's result it takes next (or, with none waiting, asks for a prompt)."""
+        prompt = self.query_one(PromptInput)
+        call = self.pending_calls[0] if self.pending_calls else None
+        prompt.placeholder = PROMPT_HINT if call is None else f"The result of {call.name} — Enter sends it"
+
+    def _conversation(self) -> list[dict[str, Any]]:
         system = [{"role": "system", "content": self.options.system}] if self.options.system else []
         return system + self.history
 
-    def _start_reply(self, messages: list[dict[str, str]], *, speculative: bool) -> None:
+    def _start_reply(self, messages: list[dict[str, Any]], *, speculative: bool) -> None:
         role = "assistant" if speculative else "assistant · plain decoding (compare)"
         widget = AssistantMessage(role)
         if not speculative:
@@ -185,7 +208,7 @@ class ChatApp(App[None]):
         # the worker's messages are handled on this thread, after this method: the reply is set by then
         inbox: list[Step] = []
         config = replace(self.options.generation, speculative=speculative)
-        ticket = self.worker.reply(messages, config, inbox, self.post_message)
+        ticket = self.worker.reply(messages, config, inbox, self.post_message, self.options.tool_arguments)
         self.reply = Reply(ticket, widget, speculative, inbox)
         self.transcript.mount(widget)
         self.busy = True
@@ -244,11 +267,18 @@ class ChatApp(App[None]):
             if message.stats is not None:
                 self.last_generation = message.stats
                 status += f" · prompt {message.stats.n_prompt_tokens} tokens, {message.stats.n_cached_tokens} cached"
-        reply.widget.finish(text, status)
+        content, calls = (text, []) if self.tool_plan is None or message.cancelled else self.tool_plan.read(text)
+        reply.widget.finish(text if not calls else content or "", status)
+        reply.widget.show_calls(calls)
         if reply.speculative:
             self.last_stats = reply.stats
             # a cancelled reply is kept, partial as it is, so the next turn continues from it
-            self.history.append({"role": "assistant", "content": text})
+            turn: dict[str, Any] = {"role": "assistant", "content": text if not calls else content or ""}
+            if calls:
+                turn["tool_calls"] = [c.openai() for c in calls]
+            self.history.append(turn)
+            self.pending_calls = list(calls)
+            self._ask_for_results()
             self.last_reply_speed = reply.stats.tokens_per_s
             self.last_reply_text = text
         else:
@@ -297,6 +327,8 @@ class ChatApp(App[None]):
             self.reply = None
             self.busy = False
         self.history.clear()
+        self.pending_calls.clear()
+        self._ask_for_results()
         self.last_stats = ReplyStats()
         self.last_reply_speed = None
         self.last_reply_text = None
@@ -320,6 +352,7 @@ class ChatApp(App[None]):
         if not self._can_rerun("Nothing to regenerate yet."):
             return
         self.history.pop()
+        self.pending_calls.clear()
         replies = [
             w for w in self.transcript.query(AssistantMessage) if not (w.has_class("-compare") or w.has_class("-failed"))
         ]

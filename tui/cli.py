@@ -7,6 +7,7 @@ Session is open the Textual app starts.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -20,7 +21,7 @@ PROG = "dflash-chat"
 MIN_N_CTX = 64
 WORKERS = ("process", "thread")
 GENERATION = ("block_size", "temperature", "top_p", "top_k", "seed", "max_tokens")
-SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup")
+SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate")
 # chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
 DEFAULT_WORKER = "process"
 
@@ -35,6 +36,11 @@ def build_parser() -> OneLineParser:
     add_arguments(parser, SessionOptions, SESSION)
     add_arguments(parser, GenerationConfig, GENERATION, max_tokens=CHAT_GENERATION.max_tokens)
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--tools", type=Path, default=None,
+                        help="a JSON file with a list of OpenAI-shaped function tools the model may call; each call is "
+                             "shown as a call, and the next line you send is its result")
+    parser.add_argument("--tool-choice", choices=("auto", "required", "none"), default="auto",
+                        help="whether the model may (auto), must (required) or must not (none) call a tool")
     parser.add_argument("--worker", choices=WORKERS, default=DEFAULT_WORKER,
                         help=f"where the Session runs: its own process, or a thread of the UI's (default: {DEFAULT_WORKER})")
     return parser
@@ -55,7 +61,16 @@ def parse_options(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace
         parser.error(f"argument {flag(SessionOptions, 'n_ctx')}: must be >= {MIN_N_CTX} for a chat, got {args.n_ctx}")
     _check_file(parser, "--target", args.target)
     _check_file(parser, "--drafter", args.drafter)
-    return args, ChatOptions(generation=generation, system=args.system)
+    _check_file(parser, "--tools", args.tools)
+    tools: list = []
+    if args.tools is not None:
+        try:
+            tools = json.loads(args.tools.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            parser.error(f"--tools {args.tools}: not a JSON file ({e})")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            parser.error(f"--tools {args.tools}: must hold a JSON list of tools")
+    return args, ChatOptions(generation=generation, system=args.system, tools=tuple(tools), tool_choice=args.tool_choice)
 
 
 def _fail(message: str) -> int:
@@ -94,6 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
         if args.block_size is not None and info.drafter_block_size is not None and args.block_size > info.drafter_block_size:
             return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {info.drafter_block_size}")
+        if options.tools:
+            from dflash_gguf.tool_calls import ToolError, plan_tools
+
+            try:  # against the model's template: a template without tool support is one line here
+                plan_tools(info.chat_template, list(options.tools), options.tool_choice)
+            except ToolError as e:
+                return _fail(f"--tools {args.tools}: {e}")
         # imported late: `--help` and flag errors stay instant
         from dflash_gguf.tui.app import ChatApp
 

@@ -6,6 +6,7 @@ Kept apart from the CLI so the app and its tests build the same object the CLI d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dflash_gguf.config import GenerationConfig
 
@@ -21,3 +22,11 @@ class ChatOptions:
     system: str | None = None
     # replaces every live timing figure with a placeholder, so screenshots of a run are reproducible
     hide_timing: bool = False
+    # tools the model may call (OpenAI-shaped function tools, --tools FILE), and stream_chat's tool_choice
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"
+
+    @property
+    def tool_arguments(self) -> dict[str, Any] | None:
+        """What a reply passes to stream_chat for the tools (None without any)."""
+        return {"tools": list(self.tools), "tool_choice": self.tool_choice} if self.tools else None

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from dflash_gguf.config import GenerationConfig, SessionOptions
 from dflash_gguf.steps import Step
@@ -67,12 +67,12 @@ def _serve(spec: SessionSpec, requests: Connection, events: Connection, cancelle
             if request[0] == "reset":
                 session.reset()
                 continue
-            _, ticket, messages, config = request
+            _, ticket, messages, config, tools = request
 
             def emit(step: Step, ticket: int = ticket) -> None:
                 events.send(("step", ticket, step))
 
-            end = run_reply(session, ticket, messages, config, lambda t=ticket: cancelled_upto.value >= t, emit)
+            end = run_reply(session, ticket, messages, config, lambda t=ticket: cancelled_upto.value >= t, emit, tools)
             events.send(("end", end))
 
 
@@ -123,14 +123,15 @@ class ProcessWorker(ReplyWorker):
         super().cancel(ticket)
         self._shared_cancel.value = self._cancelled_upto
 
-    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
+    def reply(self, messages: Sequence[dict[str, Any]], config: GenerationConfig, inbox: list[Step], post: Post,
+              tools: Mapping[str, Any] | None = None) -> int:
         ticket = self._ticket()
         with self._lock:
             failure = self._gone
             if failure is None:
                 self._pending[ticket] = (inbox, post)
                 try:
-                    self._requests.send(("reply", ticket, list(messages), config))
+                    self._requests.send(("reply", ticket, list(messages), config, dict(tools) if tools else None))
                 except OSError:
                     del self._pending[ticket]
                     failure = self._gone = f"the generation process {self._exit_status()}; restart dflash-chat"

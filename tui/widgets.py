@@ -19,6 +19,7 @@ from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Stat
 from dflash_gguf.kinds import all_kinds
 from dflash_gguf.stats import Baseline, Calibration, SourceStats
 from dflash_gguf.stats import speedup as speedup_of
+from dflash_gguf.tool_calls import ToolCall
 from dflash_gguf.tui.provenance import Piece, Provenance
 from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.worker import SessionInfo
@@ -149,14 +150,15 @@ class TokenStream(Vertical):
 
 
 class UserMessage(Vertical):
-    """A prompt the user sent."""
+    """A prompt the user sent (or, role "tool result · NAME", what the user answered for a call)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, role: str = "you") -> None:
         super().__init__()
         self.text = text
+        self.role = role
 
     def compose(self) -> ComposeResult:
-        yield Label("you", classes="role")
+        yield Label(self.role, classes="role")
         yield Static(self.text, markup=False, classes="body")
 
 
@@ -195,6 +197,12 @@ class AssistantMessage(Vertical):
         collapsible.collapsed = True
         self.mount(Markdown(text or "*(no tokens)*"), before=collapsible)
         self.set_status(status)
+
+    def show_calls(self, calls: Sequence[ToolCall]) -> None:
+        """The tools the reply calls, one line each (name and arguments), under its text."""
+        for call in calls:
+            self.mount(Static(f"⚙ {call.name}({call.arguments_json})", markup=False, classes="tool-call"),
+                       before=self.query_one(".status"))
 
     def fail(self, error: str) -> None:
         self.finished = True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from textual.message import Message
 
@@ -40,6 +40,8 @@ class SessionInfo:
     has_confidence_head: bool
     drafter_block_size: int | None
     lookup: bool  # whether n-gram lookup drafts (next to the drafter, or alone)
+    device: str  # where the target's layers are: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
+    chat_template: str | None = None  # the GGUF's: --tools is checked against it, a reply's calls read with it
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
@@ -50,6 +52,8 @@ class SessionInfo:
             drafter_block_size=None if d is None else d.block_size,
             # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
             lookup=session.lookup,
+            device=session.placement.device,
+            chat_template=session.target.chat_template(),
         )
 
 
@@ -76,14 +80,16 @@ def run_reply(
     config: GenerationConfig,
     cancelled: Callable[[], bool],
     emit: Callable[[Step], object],
+    tools: Mapping[str, Any] | None = None,
 ) -> ReplyEnd:
     """Stream one assistant reply to `messages` through the chat template, emitting every Step as it is
-    committed; the cached prefix of the last turn is reused. Never raises: a failure is the ReplyEnd's error."""
+    committed; the cached prefix of the last turn is reused. `tools`: stream_chat's tools and tool_choice.
+    Never raises: a failure is the ReplyEnd's error."""
     if cancelled():
         return ReplyEnd(ticket, cancelled=True)
     finish_reason: str | None = None
     try:
-        steps = session.stream_chat(list(messages), config)
+        steps = session.stream_chat(list(messages), config, **(tools or {}))
         try:
             for step in steps:
                 emit(step)
@@ -115,8 +121,10 @@ class ReplyWorker(ABC):
         self._cancelled_upto = max(self._cancelled_upto, ticket)
 
     @abstractmethod
-    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
-        """Start a reply; its Steps go to `inbox`, its end to `post` as ReplyFinished/ReplyFailed. Returns its ticket."""
+    def reply(self, messages: Sequence[dict[str, Any]], config: GenerationConfig, inbox: list[Step], post: Post,
+              tools: Mapping[str, Any] | None = None) -> int:
+        """Start a reply; its Steps go to `inbox`, its end to `post` as ReplyFinished/ReplyFailed. Returns its ticket.
+        `tools`: the tools and tool_choice the reply may call (stream_chat's arguments)."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -143,19 +151,23 @@ class ThreadWorker(ReplyWorker):
         self._threads: list[threading.Thread] = []
         self.info = SessionInfo.of(session)
 
-    def reply(self, messages: Sequence[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> int:
+    def reply(self, messages: Sequence[dict[str, Any]], config: GenerationConfig, inbox: list[Step], post: Post,
+              tools: Mapping[str, Any] | None = None) -> int:
         ticket = self._ticket()
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(
-            target=self._run, args=(ticket, list(messages), config, inbox, post), name=f"reply-{ticket}", daemon=True
+            target=self._run, args=(ticket, list(messages), config, inbox, post, tools), name=f"reply-{ticket}",
+            daemon=True,
         )
         self._threads.append(thread)
         thread.start()
         return ticket
 
-    def _run(self, ticket: int, messages: list[dict[str, str]], config: GenerationConfig, inbox: list[Step], post: Post) -> None:
+    def _run(self, ticket: int, messages: list[dict[str, Any]], config: GenerationConfig, inbox: list[Step], post: Post,
+             tools: Mapping[str, Any] | None) -> None:
         with self._lock:
-            end = run_reply(self._session, ticket, messages, config, lambda: self._cancelled_upto >= ticket, inbox.append)
+            end = run_reply(self._session, ticket, messages, config, lambda: self._cancelled_upto >= ticket, inbox.append,
+                            tools)
         post(end.message())
 
     def reset(self) -> None:

@@ -29,7 +29,7 @@ def _positive(text: str) -> int:
 
 
 GENERATION = ("max_tokens", "block_size")  # greedy always: outputs are compared token for token
-SESSION = ("n_ctx", "n_threads")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from dflash_gguf.backends import backends
 from dflash_gguf.target import system_info
 
 
@@ -21,12 +22,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def backends(system_info: str) -> str:
-    """Which ggml backends the loaded libllama reports (CPU features are listed under 'CPU :')."""
-    names = re.findall(r"(\w+) :", system_info)
-    return ", ".join(dict.fromkeys(names)) or "unknown"
 
 
 def ggml_version() -> str | None:
@@ -43,7 +38,7 @@ def machine_info(n_threads: int) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "n_threads": n_threads,
-        "backend": backends(info),
+        "backend": backends(),
         "system_info": info,
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
         "ggml": ggml_version(),

@@ -1,8 +1,9 @@
 """POST /v1/messages: the Anthropic Messages API, whole or as its stream of named events.
 
 stop_reason: end_turn (the model ended its turn), max_tokens, stop_sequence (one of the caller's
-stop_sequences, named in stop_sequence). `timings` and `dflash` ride along in the message and in
-the message_delta event; the SDK keeps unknown fields aside.
+stop_sequences, named in stop_sequence), tool_use (the reply calls tools: a tool_use block each, streamed
+as content_block_start and input_json_delta fragments). `timings` and `dflash` ride along in the message
+and in the message_delta event; the SDK keeps unknown fields aside.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from ..tool_calls import CallDelta, ToolStream
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .openai_routes import check_model
-from .schemas import MessagesRequest, messages_job
+from .schemas import MessagesRequest, anthropic_param, messages_job
 from .sse import stream_response
 
 
-def _stop_reason(f: Finished) -> str:
+def _stop_reason(f: Finished, tool_use: bool = False) -> str:
+    if tool_use:
+        return "tool_use"
     if f.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if f.stop_sequence is not None else "end_turn"
@@ -32,17 +36,32 @@ def router(engine: Engine) -> APIRouter:
     @r.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Any:
         check_model(engine, body.model)
-        job = messages_job(body, engine.template_has_tools)
-        prepared = engine.prepare(job)
+        job = messages_job(body)
+        try:
+            prepared = engine.prepare(job)
+        except APIError as e:  # a tool field named in this request's terms (tools.0.input_schema)
+            if e.param is not None and e.param.startswith(("tools", "tool_choice")):
+                e.param = anthropic_param(e.param)
+                e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
+            raise
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}
+        plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
         if job.stream:
-            return stream_response(run, _events(run, message, len(prepared.tokens)))
+            events = _events(run, message, len(prepared.tokens)) if plan is None else \
+                _tool_events(run, message, len(prepared.tokens), plan.stream())
+            return stream_response(run, events)
         async for event in run.events():
             if isinstance(event, Finished):
+                content: list[dict[str, Any]] = [{"type": "text", "text": event.text}]
+                calls = []
+                if plan is not None:
+                    text, calls = plan.read(event.text)
+                    content = ([{"type": "text", "text": text}] if text else []) + [
+                        {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
                 return {
-                    **message, "content": [{"type": "text", "text": event.text}],
-                    "stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence,
+                    **message, "content": content,
+                    "stop_reason": _stop_reason(event, bool(calls)), "stop_sequence": event.stop_sequence,
                     "usage": {"input_tokens": event.n_prompt, "output_tokens": len(event.tokens)},
                     "timings": event.timings, "dflash": event.dflash,
                 }
@@ -71,6 +90,54 @@ async def _events(run: Run, message: dict[str, Any], n_prompt: int) -> AsyncIter
                 return
             if event.text:
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
+        raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+    except APIError as e:
+        body = error_body(e.status, e.message, e.param, e.code, anthropic=True)
+        yield {"event": "error", "data": json.dumps(body)}
+
+
+async def _tool_events(run: Run, message: dict[str, Any], n_prompt: int, reader: ToolStream,
+                       ) -> AsyncIterator[dict[str, str]]:
+    """The stream of a reply that may call tools: a text block while the model writes text, then a tool_use
+    block per call (its input as input_json_delta fragments), each opened as its first piece arrives."""
+    yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+                                               "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+    yield _event("ping", {})
+    index, open_kind = -1, None  # the block being written: its index and kind ("text", or a call's index)
+
+    def blocks(pieces):
+        nonlocal index, open_kind
+        for piece in pieces:
+            kind = "text" if isinstance(piece, str) else piece.index
+            if kind != open_kind:
+                if open_kind is not None:
+                    yield _event("content_block_stop", {"index": index})
+                index, open_kind = index + 1, kind
+                block = {"type": "text", "text": ""} if isinstance(piece, str) else \
+                    {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+                yield _event("content_block_start", {"index": index, "content_block": block})
+            if isinstance(piece, CallDelta):
+                if piece.arguments:
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": piece.arguments}})
+            elif piece:
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+
+    try:
+        async for event in run.events():
+            if isinstance(event, Finished):
+                for e in blocks(reader.finish()):
+                    yield e
+                if open_kind is not None:
+                    yield _event("content_block_stop", {"index": index})
+                yield _event("message_delta", {
+                    "delta": {"stop_reason": _stop_reason(event, bool(reader.calls)),
+                              "stop_sequence": event.stop_sequence},
+                    "usage": {"output_tokens": len(event.tokens)}, "timings": event.timings, "dflash": event.dflash})
+                yield _event("message_stop", {})
+                return
+            for e in blocks(reader.feed(event.text)):
+                yield e
         raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
     except APIError as e:
         body = error_body(e.status, e.message, e.param, e.code, anthropic=True)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..session import Session
-from . import anthropic_routes, errors, openai_routes
+from . import anthropic_routes, errors, openai_routes, responses_routes
 from .auth import APIKeyMiddleware
 from .config import ServerConfig
 from .engine import Engine
@@ -66,12 +66,17 @@ def create_app(sessions: Sequence[Session], config: ServerConfig | None = None) 
     errors.install(app)
     app.include_router(openai_routes.router(engine))
     app.include_router(anthropic_routes.router(engine))
+    app.include_router(responses_routes.router(engine))
+
+    # where the slots' layers are, read while the Sessions are open (every slot opens with the same options)
+    where = engine.pool.slots[0].session.placement
 
     @app.get("/health")
     async def health() -> JSONResponse:
         pool = engine.pool
         body = {"status": "shutting_down" if pool.closing else "ok", "slots": len(pool.slots),
-                "slots_idle": len(pool.slots) - pool.busy, "queue_depth": pool.queue_depth}
+                "slots_idle": len(pool.slots) - pool.busy, "queue_depth": pool.queue_depth,
+                "backend": where.backend, "device": where.device}
         return JSONResponse(body, status_code=503 if pool.closing else 200)
 
     @app.get("/metrics")

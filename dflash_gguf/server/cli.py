@@ -21,7 +21,7 @@ from ..config import GenerationConfig, SessionOptions, add_arguments, from_argum
 from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup")
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate")
 GENERATION = ("block_size",)
 
 

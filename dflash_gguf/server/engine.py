@@ -8,6 +8,7 @@ while generating), and the cancellation reaches the Session at its next cycle.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -19,6 +20,7 @@ from ..config import GenerationConfig, SettingError
 from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step, TokenLogprob
+from ..tool_calls import ToolError, ToolPlan, detect_family
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import Metrics
@@ -37,6 +39,7 @@ class Prepared:
     config: GenerationConfig
     start: Callable[[Session], Iterator[Step]]
     t0: float
+    tools: ToolPlan | None = None  # the request's tools: the routes read the calls out of the reply with it
 
 
 @dataclass
@@ -60,8 +63,7 @@ class Engine:
         self.metrics = metrics
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
-        template = sessions[0].target.chat_template()
-        self.template_has_tools = template is not None and "tools" in template  # tool calls are refused either way
+        self.tool_family = detect_family(sessions[0].target.chat_template())  # None: tools get a 400
 
     @property
     def n_ctx(self) -> int:
@@ -73,9 +75,13 @@ class Engine:
         session = self.pool.slots[0].session
         target = session.target
         template_stops: list[str] = []
+        plan = None
         if job.messages is not None:
             try:
-                text, template_stops = session.render_chat(job.messages)
+                plan = session.tool_plan(job.tools, job.tool_choice, job.parallel_tool_calls)
+                text, template_stops = session.render_chat(job.messages, tools=None if plan is None else plan.tools)
+            except ToolError as e:
+                raise _tool_error(e, self.tool_family is None and e.field == "tools") from None
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
                                code="invalid_messages") from None
@@ -93,8 +99,11 @@ class Engine:
             config.sampling.check_vocab(target.n_vocab)
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
-        config = config.with_stops(template_stops)
-        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0)
+        try:
+            config = session.chat_config(config, plan).with_stops(template_stops)
+        except ToolError as e:
+            raise _tool_error(e, False) from None
+        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan)
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
         """Wait for a slot (429 when the queue is full), then start the generation in its thread."""
@@ -232,6 +241,12 @@ class Run:
         full = b"".join(target.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
         found = [(full.find(s), s) for s in stops if s in full]
         return min(found)[1] if found else None
+
+
+def _tool_error(e: ToolError, unsupported: bool) -> APIError:
+    """A ToolError as a 400 naming the request's field (messages.1.tool_call_id, as the other fields are named)."""
+    param = re.sub(r"\[(\d+)\]", r".\1", e.field)
+    return APIError(400, f"{param}: {e.problem}", param=param, code="tools_unsupported" if unsupported else "invalid_value")
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -2,7 +2,9 @@
 
 Shapes are llama_cpp's (llama_cpp.llama_types); every response also carries llama-server's `timings`
 and the namespaced `dflash` figures: in the body, or in the last chunk of a stream (and in the usage
-chunk when stream_options.include_usage asks for one).
+chunk when stream_options.include_usage asks for one). With tools, the calls the model made are in
+message.tool_calls (streamed: delta.tool_calls, the id and name first, then the arguments in fragments as
+they are written) and finish_reason is "tool_calls".
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from llama_cpp.server.types import ModelList
 
 from ..logprobs import CompletionLogprobs, chat_logprobs
 from ..steps import TokenLogprob
+from ..tool_calls import openai_delta
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
@@ -48,18 +51,27 @@ def router(engine: Engine) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(engine, body.model)
-        job = chat_job(body, engine.template_has_tools)
-        run = await engine.start(engine.prepare(job), request)
+        job = chat_job(body)
+        prepared = engine.prepare(job)
+        run = await engine.start(prepared, request)
         header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
         token_bytes = engine.pool.slots[0].session.target.token_bytes
         logprobs = (lambda entries: chat_logprobs(entries, token_bytes)) if job.gen.get("logprobs") is not None else None
         if job.stream:
             return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
+        message: dict[str, Any] = {"role": "assistant", "content": f.text}
+        finish = f.finish_reason
+        if prepared.tools is not None and prepared.tools.parses:
+            content, calls = prepared.tools.read(f.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls"
         out: CreateChatCompletionResponse = {
             **header, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text},
-                         "logprobs": logprobs(f.logprobs) if logprobs else None, "finish_reason": f.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs(f.logprobs) if logprobs else None,
+                         "finish_reason": finish}],
             "usage": _usage(f),
         }
         return {**out, "timings": f.timings, "dflash": f.dflash}
@@ -113,20 +125,35 @@ LogprobShape = Callable[[Sequence[TokenLogprob]], dict[str, Any]]
 async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool,
                        logprobs: LogprobShape | None = None) -> AsyncIterator[dict[str, Any]]:
     head = {**header, "object": "chat.completion.chunk"}
-    yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}]}
+
+    def chunk(delta: dict[str, Any], lp: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+
+    plan = run.prepared.tools
+    reader = plan.stream() if plan is not None and plan.parses else None
+    yield chunk({"role": "assistant", "content": ""})
     async for event in run.events():
         if isinstance(event, Finished):
-            last = {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason}],
+            finish = event.finish_reason
+            if reader is not None:
+                for piece in reader.finish():
+                    yield chunk(openai_delta(piece))
+                finish = "tool_calls" if reader.calls else finish
+            last = {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
                     "timings": event.timings, "dflash": event.dflash}
             yield last
             if include_usage:
                 yield {**head, "choices": [], "usage": _usage(event), "timings": event.timings, "dflash": event.dflash}
             return
-        if event.text or (logprobs and event.logprobs):
-            yield {**head, "choices": [{"index": 0, "delta": {"content": event.text},
-                                        "logprobs": logprobs(event.logprobs) if logprobs else None,
-                                        "finish_reason": None}]}
+        lp = logprobs(event.logprobs) if logprobs and event.logprobs else None
+        if reader is not None:
+            pieces = list(reader.feed(event.text))
+            for i, piece in enumerate(pieces):
+                yield chunk(openai_delta(piece), lp if i == 0 else None)
+            if lp is not None and not pieces:
+                yield chunk({"content": ""}, lp)  # held text: its tokens' logprobs go out now
+        elif event.text or lp is not None:
+            yield chunk({"content": event.text}, lp)
     raise _CANCELLED
 
 

@@ -1,7 +1,9 @@
 """Request models: llama_cpp.server's OpenAI types, extended with what newer clients send, and the Anthropic Messages request.
 
-What the Session cannot do is refused with a 400 naming the field, never dropped: n > 1 (one choice per
-request), and tools (the chat path renders no tool definitions and parses no tool calls). The sampling
+What the Session cannot do is refused with a 400 naming the field, never dropped: n > 1 and best_of (one
+choice per request), and the legacy `functions` / `function_call` (use tools / tool_choice). Tools are
+acted on where the model's chat template takes them: the Session renders them, holds each call to its
+tool's schema and the routes return the calls (OpenAI tool_calls, Anthropic tool_use blocks). The sampling
 fields are acted on through the speculative loop: logprobs / top_logprobs (the target's log-softmax),
 presence_penalty, frequency_penalty, logit_bias (token ids), and llama.cpp's repeat_penalty,
 repeat_last_n and min_p.
@@ -13,29 +15,51 @@ local model's reply and are accepted as neutral.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, List, Literal, Optional, Union
 
 import llama_cpp
 from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import NotRequired, TypedDict
 
 from ..checks import SettingError
 from ..config import GenerationConfig
 from .errors import APIError
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _SystemMessage(TypedDict):
+    """A system or developer message (newer OpenAI clients send `developer`); its content may be text parts."""
+
+    role: Literal["system", "developer"]
+    content: Optional[Union[str, List[dict[str, Any]]]]
+    name: NotRequired[str]
+
+
+class _AssistantMessage(TypedDict):
+    """An assistant turn as the openai SDK sends it back: content may be null (a turn of tool calls only)
+    or text parts; llama_cpp's type takes a string only."""
+
+    role: Literal["assistant"]
+    content: NotRequired[Optional[Union[str, List[dict[str, Any]]]]]
+    tool_calls: NotRequired[llama_cpp.ChatCompletionMessageToolCalls]
+    function_call: NotRequired[llama_cpp.ChatCompletionRequestAssistantMessageFunctionCall]
+    name: NotRequired[str]
+    refusal: NotRequired[Optional[str]]
+
+
 _OpenAIMessage = Annotated[
     Union[
-        llama_cpp.ChatCompletionRequestSystemMessage,
+        _SystemMessage,
         llama_cpp.ChatCompletionRequestUserMessage,
-        llama_cpp.ChatCompletionRequestAssistantMessage,
+        _AssistantMessage,
         llama_cpp.ChatCompletionRequestToolMessage,
         llama_cpp.ChatCompletionRequestFunctionMessage,
     ],
@@ -69,6 +93,9 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     repeat_last_n: int = _repeat_last_n
     top_logprobs: Optional[int] = _n_logprobs
     parallel_tool_calls: Optional[bool] = None
+    # checked by the Session against the model's template (dflash_gguf.tool_calls), which names the bad field;
+    # wider than llama_cpp's type, which lacks `strict` (sent by OpenAI agents; every call follows its schema)
+    tools: Optional[List[dict[str, Any]]] = None
     # OpenAI's shapes: text, json_object (with llama-cpp-python's optional `schema`), json_schema
     response_format: Optional[dict[str, Any]] = None
     # neutral for a local model: nothing about the reply changes (prefixes are cached whatever the key says;
@@ -157,13 +184,10 @@ class Job:
     user_stops: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-
-
-def tools_refusal(template_has_tools: bool) -> str:
-    if not template_has_tools:
-        return "tool calling is not supported: this model's chat template has no tool support"
-    return ("tool calling is not supported by dflash-serve yet: the template takes tools, but the Session renders "
-            "none and nothing parses tool calls out of the reply")
+    # OpenAI-shaped tools and tool_choice (the Anthropic route maps its own onto them), checked by the Session
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
@@ -198,10 +222,10 @@ def _text_parts(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Job:
-    if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call is not None:
-        name = "tools" if req.tools else "functions" if req.functions else "tool_choice" if req.tool_choice else "function_call"
-        raise _refuse(name, tools_refusal(template_has_tools), "tools_unsupported")
+def chat_job(req: ChatCompletionRequest) -> Job:
+    for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, legacy) is not None:
+            raise _refuse(legacy, f"the legacy function-calling field is not supported: use {instead}")
     _check_choices(req)
     _check_neutral(req, {
         "mirostat_mode": 0, "min_tokens": 0,
@@ -217,15 +241,24 @@ def chat_job(req: ChatCompletionRequest, template_has_tools: bool = False) -> Jo
     messages: list[Message] = []
     for i, m in enumerate(req.messages):
         role = m["role"]
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise _refuse(f"messages.{i}", "tool and function messages are not supported", "tools_unsupported")
-        messages.append({"role": role, "content": _text_parts(m.get("content"), f"messages.{i}.content")})
+        if role == "function" or m.get("function_call"):
+            raise _refuse(f"messages.{i}", "legacy function messages are not supported: use tool_calls and tool "
+                          "messages")
+        message: Message = {"role": "system" if role == "developer" else role,
+                            "content": _text_parts(m.get("content"), f"messages.{i}.content")}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [dict(c) for c in m["tool_calls"]]
+        if role == "tool":
+            message["tool_call_id"] = m.get("tool_call_id")
+        messages.append(message)
     max_tokens = req.max_completion_tokens or req.max_tokens or None
     gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req) | constraint
     gen["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     gen["max_tokens"] = max_tokens
     stops = _stops(req.stop)
-    return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage))
+    return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+               tools=[dict(t) for t in req.tools] if req.tools else None, tool_choice=req.tool_choice,
+               parallel_tool_calls=req.parallel_tool_calls)
 
 
 def completion_job(req: CompletionRequest) -> Job:
@@ -247,9 +280,9 @@ def completion_job(req: CompletionRequest) -> Job:
                bool(req.stream_options and req.stream_options.include_usage))
 
 
-def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
-    if req.tools or req.tool_choice:
-        raise _refuse("tools" if req.tools else "tool_choice", tools_refusal(template_has_tools), "tools_unsupported")
+def messages_job(req: MessagesRequest) -> Job:
+    tools = [_anthropic_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)] if req.tools else None
+    tool_choice, parallel = _anthropic_tool_choice(req.tool_choice)
     output = req.output_config or {}
     if set(output) - {"format", "effort"}:
         raise _refuse(f"output_config.{sorted(set(output) - {'format', 'effort'})[0]}", "not supported")
@@ -265,11 +298,13 @@ def messages_job(req: MessagesRequest, template_has_tools: bool = False) -> Job:
     messages: list[Message] = []
     if req.system:
         messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
+    ids: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
-        messages.append({"role": m.role, "content": _anthropic_text(m.content, f"messages.{i}.content")})
+        messages += _anthropic_message(m, f"messages.{i}.content", ids)
     gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
     gen["max_tokens"] = req.max_tokens
-    return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True)
+    return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
+               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)
 
 
 def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
@@ -278,10 +313,105 @@ def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
     texts = []
     for i, block in enumerate(content):
         if block.type != "text":
-            raise _refuse(f"{param}.{i}.type", f"content block {block.type!r} is not supported: text only",
-                          "tools_unsupported" if block.type.startswith("tool") else "unsupported_parameter")
+            raise _refuse(f"{param}.{i}.type", f"content block {block.type!r} is not supported here: text only")
         texts.append(block.text or "")
     return "".join(texts)
+
+
+def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[Message]:
+    """One Anthropic message as chat messages: an assistant's tool_use blocks become its tool_calls, a user's
+    tool_result blocks become tool messages (before the user's own text, as they answer the previous turn)."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[Message] = []
+    for i, block in enumerate(m.content):
+        where = f"{param}.{i}"
+        data = block.model_dump()
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "tool_use" and m.role == "assistant":
+            if not isinstance(data.get("input"), dict):
+                raise _refuse(f"{where}.input", "a tool_use block needs its input object", "invalid_value")
+            if not isinstance(data.get("id"), str) or not data["id"]:
+                raise _refuse(f"{where}.id", "a tool_use block needs its id", "invalid_value")
+            ids.add(data["id"])
+            calls.append({"id": data["id"], "type": "function",
+                          "function": {"name": data.get("name"), "arguments": data["input"]}})
+        elif block.type == "tool_result" and m.role == "user":
+            if data.get("tool_use_id") not in ids:
+                raise _refuse(f"{where}.tool_use_id", f"no earlier tool_use block has the id {data.get('tool_use_id')!r}",
+                              "invalid_value")
+            results.append({"role": "tool", "tool_call_id": data.get("tool_use_id"),
+                            "content": _tool_result_text(data.get("content"), f"{where}.content")})
+        else:
+            raise _refuse(f"{where}.type", f"content block {block.type!r} is not supported in a {m.role} message: "
+                          "text, tool_use (assistant) and tool_result (user) are")
+    out, text = results, "".join(texts)
+    if calls:
+        out.append({"role": "assistant", "content": text, "tool_calls": calls})
+    elif texts or not results:
+        out.append({"role": m.role, "content": text})
+    return out
+
+
+def _tool_result_text(content: Any, param: str) -> str:
+    """A tool_result's content: a string, or text blocks (joined); images are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _refuse(param, "must be a string or a list of text blocks", "invalid_value")
+    texts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise _refuse(f"{param}.{i}.type", "tool results are text only here")
+        texts.append(str(block.get("text", "")))
+    return "".join(texts)
+
+
+def _anthropic_tool(tool: dict[str, Any], param: str) -> dict[str, Any]:
+    """An Anthropic client tool ({name, description, input_schema}) in the OpenAI shape the Session takes."""
+    if tool.get("type") not in (None, "custom"):
+        raise _refuse(f"{param}.type", f"server and built-in tools ({tool.get('type')!r}) are not supported: "
+                      "client tools with an input_schema are")
+    unknown = set(tool) - {"type", "name", "description", "input_schema", "cache_control", "strict"}
+    if unknown:
+        raise _refuse(f"{param}.{sorted(unknown)[0]}", "not supported")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise _refuse(f"{param}.input_schema", "a client tool needs its input_schema object", "invalid_value")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def anthropic_param(param: str | None) -> str | None:
+    """A tool field as the OpenAI route names it (tools.0.function.parameters) in the Anthropic request's terms."""
+    if param is None:
+        return None
+    param = re.sub(r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema", param)
+    param = re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", param)
+    return param.replace("tool_choice.function.name", "tool_choice.name")
+
+
+def _anthropic_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """Anthropic's tool_choice as the OpenAI one, and whether parallel calls are allowed."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise _refuse("tool_choice.name", "a 'tool' tool_choice needs the tool's name", "invalid_value")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise _refuse("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}", "invalid_value")
 
 
 def _constraint(kind: str, source: Any, param: str) -> dict[str, Any]:

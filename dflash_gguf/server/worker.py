@@ -63,7 +63,7 @@ class Generation:
             if isinstance(event, Outcome):
                 return
 
-    def _post(self, event: Step | Outcome) -> None:
+    def _post(self, event: Step) -> None:
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:
@@ -91,12 +91,14 @@ class Generation:
             if steps is not None and hasattr(steps, "close"):
                 steps.close()  # ends the Session's generation (and its lock) here, in this thread
             cached = self._prompt_tokens + reply if outcome.error is None else []
-            self._post(outcome)
             try:
-                self._loop.call_soon_threadsafe(self._release, cached)
-            except RuntimeError:
+                self._loop.call_soon_threadsafe(self._end, outcome, cached)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 self.slot.busy = False
 
-    def _release(self, cached: list[int]) -> None:
+    def _end(self, outcome: Outcome, cached: list[int]) -> None:
+        """Release the slot, then hand over the Outcome: a client that has its answer finds the slot (and
+        the conversation it caches) free for its next turn."""
         self.pool.release(self.slot, cached, time.perf_counter() - self.started)
         self.done.set()
+        self._events.put_nowait(outcome)

@@ -1,0 +1,405 @@
+"""POST /v1/responses: the OpenAI Responses API (what Codex-style clients speak), whole or as its event stream.
+
+A request becomes the same chat Job as /v1/chat/completions: `instructions` is the system message,
+`input` the turns (a string, or message / function_call / function_call_output items), `text.format`
+the structured-output constraint, `tools` (function tools) the Session's tools, so a call is held to
+its tool's schema and comes back as a function_call output item. A stored response (`store`, on by
+default as in OpenAI's API) keeps its conversation, so `previous_response_id` continues it: the prompt
+rendered again starts with the turn before, which the slot's live context or the prompt cache already
+holds. Stored responses live in this process (the newest STORED_RESPONSES), retrievable with GET and
+removable with DELETE.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, AsyncIterator, Callable, Iterator, List, Literal, Optional, Union
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..tool_calls import CallDelta, ToolCall, ToolStream
+from .engine import Engine, Finished, Run
+from .errors import APIError
+from .openai_routes import check_model
+from .schemas import Job, Message, _constraint, _refuse, _sampling
+from .sse import stream_response
+
+STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
+# `include` values that ask for nothing this server could add (a local model has no encrypted reasoning)
+NEUTRAL_INCLUDES = frozenset({"reasoning.encrypted_content"})
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. A field this model does not declare is a 400 naming it; declared ones are acted
+    on, accepted as neutral (they change nothing about a local model's reply) or refused by name in job()."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    input: Union[str, List[dict[str, Any]]] = Field(min_length=1)
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Optional[str] = None
+    text: Optional[dict[str, Any]] = None
+    tools: Optional[List[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    background: Optional[bool] = None
+    include: Optional[List[str]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    # neutral: echoed or ignored, the reply is the same
+    metadata: Optional[dict[str, str]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    stream_options: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    service_tier: Optional[str] = None
+    user: Optional[str] = None
+
+
+class ResponseStore:
+    """The stored responses of this process, newest last: each with the conversation it ended."""
+
+    def __init__(self, capacity: int = STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[dict[str, Any], list[Message]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[Message]) -> None:
+        self._entries[response["id"]] = (response, conversation)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> tuple[dict[str, Any], list[Message]]:
+        try:
+            return self._entries[response_id]
+        except KeyError:
+            raise APIError(404, f"no stored response with id {response_id!r} (not stored, deleted, or from before "
+                           "a restart)", param=param, code="response_not_found") from None
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._entries[response_id]
+
+
+def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]]:
+    """The chat Job for a request, and the conversation it continues (previous turns, then this input)."""
+    if req.background:
+        raise _refuse("background", "background responses are not supported: stream it or wait for it")
+    if req.truncation == "auto":
+        raise _refuse("truncation", "'auto' would drop turns silently; a prompt over the context is a 400 instead")
+    unknown = sorted(set(req.include or ()) - NEUTRAL_INCLUDES)
+    if unknown:
+        raise _refuse("include", f"{unknown[0]!r} is not served here")
+    conversation: list[Message] = []
+    if req.previous_response_id is not None:
+        _, conversation = store.get(req.previous_response_id, "previous_response_id")
+        conversation = [m for m in conversation if m["role"] != "system"]  # instructions are not carried over
+    if req.instructions:
+        conversation = [{"role": "system", "content": req.instructions}, *conversation]
+    conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())})
+    gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
+    gen["max_tokens"] = req.max_output_tokens
+    return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
+               tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls), conversation
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({type, name, parameters, ...}) in the chat shape the Session checks."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise _refuse(f"tools.{i}.type", f"only function tools are served here, got {tool.get('type')!r}")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise _refuse("tool_choice", "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                  "invalid_value")
+
+
+def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[Message]:
+    """Input items as chat messages: function_call items join the assistant turn before them as its tool
+    calls, a function_call_output is the tool turn answering one of `calls` (those so far, theirs included)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[Message] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))
+            if role is None:
+                raise _refuse(f"input.{i}.role", f"must be user, assistant, system or developer, got {item.get('role')!r}",
+                              "invalid_value")
+            out.append({"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")})
+        elif kind == "function_call":
+            call = _history_call(item, f"input.{i}")
+            calls.add(call["id"])
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if item.get("call_id") not in calls:
+                raise _refuse(f"input.{i}.call_id", f"no earlier function_call has the call_id {item.get('call_id')!r}",
+                              "invalid_value")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _parts_text(item.get("output"), f"input.{i}.output")})
+        else:
+            raise _refuse(f"input.{i}.type", f"input item {kind!r} is not supported: messages and function calls are")
+    return out
+
+
+def _history_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str) or not item[name]:
+            raise _refuse(f"{where}.{name}", f"a function_call item needs its {name} (a string)", "invalid_value")
+    try:
+        json.loads(item["arguments"])
+    except ValueError:
+        raise _refuse(f"{where}.arguments", "must be the call's arguments as JSON text", "invalid_value") from None
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _parts_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _refuse(param, "must be a string or a list of text parts", "invalid_value")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text"):
+            raise _refuse(f"{param}.{i}.type", f"content part {kind!r} is not supported: text only")
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
+    """`text.format` as a constraint: json_schema (enforced, strict or not) or json_object."""
+    fmt = (text or {}).get("format") or {"type": "text"}
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return _constraint("json_schema", {"type": "object"}, "text.format")
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise _refuse("text.format.schema", "a json_schema format needs its 'schema' object", "invalid_value")
+        return _constraint("json_schema", fmt["schema"], "text.format.schema")
+    raise _refuse("text.format.type", f"must be text, json_object or json_schema, got {kind!r}", "invalid_value")
+
+
+def _responses_param(param: str) -> str:
+    """A tool field as the chat route names it (tools.0.function.parameters) in this request's terms."""
+    param = param.replace("tool_choice.function.name", "tool_choice.name")
+    head, dot, rest = param.partition(".function.")
+    return f"{head}.{rest}" if dot and head.startswith("tools.") else param
+
+
+def router(engine: Engine) -> APIRouter:
+    r = APIRouter()
+    store = ResponseStore()
+
+    @r.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request) -> Any:
+        check_model(engine, body.model)
+        the_job, conversation = job(body, store)
+        try:
+            prepared = engine.prepare(the_job)
+        except APIError as e:
+            if e.param is not None and e.param.startswith(("tools", "tool_choice")):
+                e.param = _responses_param(e.param)
+                e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
+            raise
+        run = await engine.start(prepared, request)
+        shell = _shell(body, engine.config.model_alias)
+        plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
+
+        def finish(f: Finished, output: _Output) -> dict[str, Any]:
+            """The whole response once the reply's output items are closed; stored when asked."""
+            response = _completed(shell, f, len(prepared.tokens), output.items)
+            if body.store:
+                turn: Message = {"role": "assistant", "content": output.content}
+                if output.calls:
+                    turn["tool_calls"] = [c.openai() for c in output.calls]
+                store.put(response, [*conversation, turn])
+            return response
+
+        if body.stream:
+            return stream_response(run, _events(run, shell, plan.stream() if plan else None, finish))
+        async for event in run.events():
+            if isinstance(event, Finished):
+                output = _Output(lambda name, **data: {})  # a whole response: its events go nowhere
+                list(output.feed(plan.stream() if plan else None, event.text, final=True))
+                output.close(_status(event))
+                return finish(event, output)
+        raise _CANCELLED
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict[str, Any]:
+        return store.get(response_id)[0]
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return r
+
+
+_CANCELLED = APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+
+
+def _status(f: Finished) -> str:
+    return "incomplete" if f.finish_reason == "length" else "completed"
+
+
+def _shell(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The response object before its output: what every event's `response` carries."""
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "model": req.model or model, "output": [], "error": None, "incomplete_details": None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "previous_response_id": req.previous_response_id, "store": req.store,
+        "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},
+        "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "truncation": req.truncation or "disabled", "metadata": req.metadata or {}, "usage": None,
+    }
+
+
+def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, output: list[dict[str, Any]]) -> dict[str, Any]:
+    status = _status(f)
+    return {
+        **shell, "status": status, "completed_at": int(time.time()), "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "usage": {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": f.stats.n_cached_tokens},
+                  "output_tokens": len(f.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": n_prompt + len(f.tokens)},
+        "timings": f.timings, "dflash": f.dflash,
+    }
+
+
+Event = Callable[..., dict[str, str]]
+
+
+class _Output:
+    """The response's output items as the reply is read: a message item for its text, a function_call item
+    per call. Each item opens when its first piece arrives and closes when the next one opens or the reply
+    ends; `event` makes the stream event for each step (a no-op for a whole response)."""
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self.items: list[dict[str, Any]] = []
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self._open: dict[str, Any] | None = None
+
+    def feed(self, reader: ToolStream | None, text: str, *, final: bool = False) -> Iterator[dict[str, str]]:
+        pieces: list[str | CallDelta] = ([text] if text else []) if reader is None else list(reader.feed(text))
+        if reader is not None and final:
+            pieces += reader.finish()
+            self.calls = reader.calls
+        for piece in pieces:
+            yield from self._text(piece) if isinstance(piece, str) else self._call(piece)
+
+    def _text(self, delta: str) -> Iterator[dict[str, str]]:
+        if self._open is None or self._open["type"] != "message":
+            yield from self._open_message()
+        item = self._open
+        item["content"][0]["text"] += delta
+        self.content += delta
+        yield self.event("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
+                         content_index=0, delta=delta, logprobs=[])
+
+    def _open_message(self) -> Iterator[dict[str, str]]:
+        yield from self._close("completed")
+        item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant",
+                "content": []}
+        yield from self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item["content"].append(part)
+        yield self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                         content_index=0, part=part)
+
+    def _call(self, piece: CallDelta) -> Iterator[dict[str, str]]:
+        if piece.id is not None:
+            yield from self._close("completed")
+            yield from self._add({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": piece.id,
+                                  "name": piece.name, "arguments": "", "status": "in_progress"})
+        item = self._open
+        if piece.arguments and item is not None:
+            item["arguments"] += piece.arguments
+            yield self.event("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=len(self.items) - 1, delta=piece.arguments)
+
+    def _add(self, item: dict[str, Any]) -> Iterator[dict[str, str]]:
+        self.items.append(item)
+        self._open = item
+        yield self.event("response.output_item.added", output_index=len(self.items) - 1,
+                         item={**item, "content": []} if item["type"] == "message" else dict(item))
+
+    def _close(self, status: str) -> Iterator[dict[str, str]]:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            yield self.event("response.content_part.done", **where, content_index=0, part=part)
+        else:
+            yield self.event("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        yield self.event("response.output_item.done", output_index=where["output_index"], item=item)
+
+    def close(self, status: str) -> list[dict[str, str]]:
+        """The reply has ended: close what is open, with the events that say so. A reply with neither text
+        nor calls is one empty message, as OpenAI answers it."""
+        opened = [] if self.items else list(self._open_message())
+        return opened + list(self._close(status))
+
+
+async def _events(run: Run, shell: dict[str, Any], reader: ToolStream | None,
+                  finish: Callable[[Finished, _Output], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+    """The Responses stream: created, each output item opened, its text or arguments in deltas, closed,
+    then the whole response in response.completed (or response.incomplete at max_output_tokens)."""
+    sequence = iter(range(1 << 62))
+
+    def event(name: str, **data: Any) -> dict[str, str]:
+        return {"event": name, "data": json.dumps({"type": name, "sequence_number": next(sequence), **data},
+                                                  ensure_ascii=False)}
+
+    output = _Output(event)
+    yield event("response.created", response=shell)
+    yield event("response.in_progress", response=shell)
+    try:
+        async for step in run.events():
+            if isinstance(step, Finished):
+                for e in [*output.feed(reader, "", final=True), *output.close(_status(step))]:
+                    yield e
+                response = finish(step, output)
+                yield event(f"response.{response['status']}", response=response)
+                return
+            for e in output.feed(reader, step.text):
+                yield e
+        raise _CANCELLED
+    except APIError as e:
+        yield event("error", code=e.code, message=e.message, param=e.param)
