@@ -202,4 +202,5 @@ def test_sampled_third_token_follows_the_penalised_target(request, plain, which,
     want = exact_row(plain, prompt + list(head), list(head), settings)
     assert chi_square_p_value(third, want) > ALPHA
     unpenalised = {k: v for k, v in settings.items() if k in ("temperature", "top_k", "top_p", "min_p", "logit_bias")}
-    assert np.abs(want - exact_row(plain, prompt + list(head), [], unpenalised)).sum() > 0.01  # the history acted
+    if settings.get("repeat_last_n", 64) > 1:  # a one-token window (".") penalises none of this row's candidates
+        assert np.abs(want - exact_row(plain, prompt + list(head), [], unpenalised)).sum() > 0.01  # the history acted
