@@ -60,7 +60,7 @@ class HeldSpec(SessionSpec):
 
 def held_spec(spec: SessionSpec, replies_held: int) -> HeldSpec:
     events = tuple(multiprocessing.get_context("spawn").Event() for _ in range(replies_held))
-    return HeldSpec(spec.target, spec.drafter, spec.options, events)
+    return HeldSpec(spec.target, spec.drafter, spec.options, spec.cache, releases=events)
 
 
 @pytest.fixture(scope="module")
