@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -50,6 +50,15 @@ class CacheState:
         """The target's memory is in an unknown state: nothing cached may be trusted."""
         self.tokens.clear()
         self.reused = 0
+
+
+@dataclass(frozen=True)
+class PrefixHook:
+    """Call `save` when the prefill has committed exactly the prompt's first `n` tokens, with every source
+    brought up to date there: the prompt cache keeps that state for a resent prompt to resume from."""
+
+    n: int
+    save: Callable[[], None]
 
 
 class TextStream:
@@ -113,6 +122,7 @@ def decode_steps(
     sources: Sequence[DraftSource] = (),
     policy: Policy | None = None,
     constraint: Constraint | None = None,
+    prefix_hook: PrefixHook | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt`, reusing the cached prefix; yields one Step per cycle, the last with finish_reason.
 
@@ -120,6 +130,7 @@ def decode_steps(
     Sources are fed only when config.speculative; all of them are truncated with the target, so none holds
     state the target has dropped. `cache` is kept true after every yield: a caller may stop at any point.
     A constraint (a fresh matcher for this generation) masks every row the target's tokens are chosen from.
+    A prefix hook inside the uncached part of the prompt ends a prefill chunk at its position and is called there.
     Penalties judge verify row i with the reply so far and the drafts before row i, which is the reply that
     row is read after (a row after a rejected draft is never read): speculation changes no token's law.
     """
@@ -171,11 +182,16 @@ def decode_steps(
     # prefill the uncached prompt suffix in n_batch chunks; sources see every chunk
     t0 = time.perf_counter()
     pos = keep
+    hook = prefix_hook if prefix_hook is not None and keep < prefix_hook.n < len(prompt) else None
     while pos < len(prompt):
-        chunk = prompt[pos : pos + target.n_batch]
-        target.decode(chunk, pos, logits="last" if pos + len(chunk) == len(prompt) else False)
-        commit(pos, chunk)
-        pos += len(chunk)
+        end = min(pos + target.n_batch, hook.n if hook is not None and pos < hook.n else len(prompt))
+        target.decode(prompt[pos:end], pos, logits="last" if end == len(prompt) else False)
+        commit(pos, prompt[pos:end])
+        pos = end
+        if hook is not None and pos == hook.n:
+            for s in active:
+                s.finish()
+            hook.save()
     logits = target.output_logits()[-1:]
     last = _pick(choose_from(logits, ()), params, rng)
     if constraint is not None:

@@ -22,7 +22,7 @@ from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationCo
 from .constraints import Constraint, ForcedTokenSource
 from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
-from .decoding import CacheState, decode_steps
+from .decoding import CacheState, PrefixHook, decode_steps
 from .drafter import Drafter
 from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
@@ -108,7 +108,9 @@ class Session:
     prompt_cache: a PromptCache (shared by forks and by a server's slots). Before a prompt is prefilled the
     entry sharing its longest prefix is restored, when it covers more than this Session's live context
     does; at the end of every generation that runs to its end the whole state (prompt and reply) is stored,
-    as llama-server keeps a slot's prompt. What it did is in the stats' `prompt_cache`.
+    as llama-server keeps a slot's prompt. On a hybrid target, whose recurrent state cannot be cut back, the
+    state before the prompt's last token is stored too, so the same prompt resent resumes there. What it
+    did is in the stats' `prompt_cache`.
 
     Generations on one Session are serialised: a second caller (another thread) waits until the running
     one ends, or, with wait=False, gets SessionBusyError at once. fork() gives an independent Session on
@@ -212,6 +214,7 @@ class Session:
         given = _check_sources(sources)
         self._prompt_cache = prompt_cache
         self._context: str | None = None  # the prompt-cache context id, computed on first use
+        self._prompt_snapshot: tuple[Snapshot, float] | None = None  # captured by this generation's prefill, and ms
         self.target = target
         self.drafter: Drafter | None = None
         self.memory: TargetMemory = memory_for(target)
@@ -456,22 +459,48 @@ class Session:
                 s.truncate(0)
                 s.observe(Commit(0, snapshot.tokens))
 
-    def _store_prefix(self, restored: CacheEvent | None) -> CacheEvent | None:
-        """Store the state after this generation (prompt and reply), when every part of it is current: a
-        plain generation leaves the drafter behind the target, and then nothing is stored."""
-        if restored is None:
+    def _prompt_hook(self, tokens: list[int], restored: CacheEvent | None) -> PrefixHook | None:
+        """Where the cache is used and the memory cannot reach back (a recurrent state), the entry stored at
+        the end serves only prompts that extend the reply: the state before the prompt's last token, captured
+        during the prefill, serves the same prompt resent (llama-server checkpoints near a prompt's end too)."""
+        self._prompt_snapshot = None
+        if restored is None or self.memory.reaches_back:
             return None
-        n = len(self._cache.tokens)
-        native = self._native_source
+        n = len(tokens) - 1
+
+        def capture() -> None:
+            t0 = time.perf_counter()
+            snapshot = self._snapshot(tokens[:n])
+            if snapshot is not None:
+                self._prompt_snapshot = snapshot, (time.perf_counter() - t0) * 1000.0
+
+        return PrefixHook(n, capture)
+
+    def _snapshot(self, tokens: Sequence[int]) -> Snapshot | None:
+        """The whole state after `tokens`, when every part of it is there: a plain generation leaves the
+        drafter behind the target, and then there is none."""
+        n, native = len(tokens), self._native_source
         if n == 0 or self.target.pos_max(0) + 1 != n or (native is not None and native.cached() != n):
-            return restored
-        t0 = time.perf_counter()
+            return None
         parts = {"target": self.target.save_sequence()}
         if native is not None:
             parts["drafter"] = self.drafter.save_state()
-        stored = self._prompt_cache.store(self._context_id(), Snapshot(tuple(self._cache.tokens), parts),
-                                          supersede=self.memory.reaches_back)
-        return replace(restored, stored=stored, store_ms=(time.perf_counter() - t0) * 1000.0)
+        return Snapshot(tuple(tokens), parts)
+
+    def _store_prefix(self, restored: CacheEvent | None) -> CacheEvent | None:
+        """Store the state after this generation (prompt and reply), and the one its prefill captured."""
+        if restored is None:
+            return None
+        t0 = time.perf_counter()
+        captured, self._prompt_snapshot = self._prompt_snapshot, None
+        # the prompt's first: the end state, which the next turn extends, is the more recently used
+        snapshots = ([captured[0]] if captured else []) + [self._snapshot(self._cache.tokens)]
+        stored = [self._prompt_cache.store(self._context_id(), x, supersede=self.memory.reaches_back)
+                  for x in snapshots if x is not None]
+        if not stored:
+            return restored
+        store_ms = (time.perf_counter() - t0) * 1000.0 + (captured[1] if captured else 0.0)
+        return replace(restored, stored=any(stored), store_ms=store_ms)
 
     def _enter_generation(self) -> None:
         if self._generation_thread == threading.get_ident():
@@ -506,7 +535,7 @@ class Session:
         restored = self._restore_prefix(tokens)
         return decode_steps(
             self.target, tokens, config, self._cache, memory=self.memory, sources=sources, policy=policy,
-            constraint=constraint,
+            constraint=constraint, prefix_hook=self._prompt_hook(tokens, restored),
         ), restored
 
     def _policy(self, config: GenerationConfig) -> Policy:

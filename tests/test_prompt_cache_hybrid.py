@@ -1,6 +1,7 @@
 """The prompt cache on hybrid targets (issue 23): the saved state includes the recurrent state, so a restored
 prefix speculates exactly as a cold prefill, from RAM and from disk, with snapshots (qwen35) and with
-checkpoints (qwen3next). A recurrent state cannot be cut back, so an entry serves prompts that extend it.
+checkpoints (qwen3next). A recurrent state cannot be cut back, so an entry serves prompts that extend it;
+the state before a prompt's last token is stored too, so the same prompt resent is a hit as well.
 
 The greedy comparison holds where the target's top two logits are further apart than the batch variance of
 libllama's recurrent kernels (tests/test_hybrid_session.py); these seeded prompts keep clear of near ties.
@@ -37,7 +38,12 @@ def test_a_restored_hybrid_prefix_speculates_as_a_cold_prefill(hybrid_models, tm
         follow = prompt + reply + first.tokenize(" And then?", add_special=False)
         with first.fork() as other:
             same, again = run_tokens(other, prompt, max_tokens=24, block_size=4)
-    assert again.prompt_cache.tier is None  # an identical prompt re-decodes its last token: the state cannot be cut
+    # the same prompt resent resumes from the state stored before its last token
+    assert again.prompt_cache.tier == "ram" and again.n_cached_tokens == len(prompt) - 1
+    assert same == reply
+    with Session(target, drafter, prompt_cache=PromptCache(directory=tmp_path), **KW) as restarted:
+        same, again = run_tokens(restarted, prompt, max_tokens=24, block_size=4)
+    assert again.prompt_cache.tier == "disk" and again.n_cached_tokens == len(prompt) - 1
     assert same == reply
     with Session(target, drafter, **KW) as cold:
         expected, cold_stats = run_tokens(cold, follow, max_tokens=24, block_size=4)
