@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -26,29 +26,71 @@ from .steps import Step, StepKind, TokenLogprob, TokenSource
 from .target import Target
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share. It iterates, never indexes, so a reader on another thread
+    gets a (stale) count, never an IndexError, while the owner of `a` truncates it."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TokensView(Sequence[int]):
+    """The committed tokens, read-only and never copied: what readers outside the loop are given (a server's
+    slot routes prompts by it). It follows its owner: read it again rather than keep what it said."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i):  # a slice comes back as a new list: the caller's own copy of that part
+        return self._tokens[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)
+
+    def __repr__(self) -> str:
+        return f"TokensView({len(self._tokens)} tokens)"
+
+
 @dataclass
 class CacheState:
-    """Which tokens the target memory holds for sequence 0, and how many of the last prompt it reused."""
+    """The tokens the target memory holds for sequence 0: the one copy of the committed sequence.
+
+    The loop commits to it and truncates it, and every reader shares this list instead of keeping its own:
+    the draft sources through `Commit.sequence` (lookup's n-gram index reads it), the prompt cache when it
+    stores, a server's slot through `view`. `reused`: how many tokens of the last prompt it held.
+    """
 
     tokens: list[int] = field(default_factory=list)
     reused: int = 0
 
+    @property
+    def view(self) -> TokensView:
+        return TokensView(self.tokens)
+
     def common_prefix(self, prompt: Sequence[int]) -> int:
         """Cached tokens shared with the prompt, leaving the last prompt token to decode for its logits."""
-        n, limit = 0, min(len(self.tokens), len(prompt) - 1)
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
-        return n
+        return min(shared_prefix(self.tokens, prompt), len(prompt) - 1)
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int, sources: Iterable[DraftSource] = ()) -> None:
+        """Drop positions >= n, the sources' first: a source may read the tokens it forgets (lookup does)."""
+        for s in sources:
+            s.truncate(n)
         del self.tokens[n:]
 
     def commit(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
 
-    def invalidate(self) -> None:
+    def invalidate(self, sources: Iterable[DraftSource] = ()) -> None:
         """The target's memory is in an unknown state: nothing cached may be trusted."""
-        self.tokens.clear()
+        self.truncate(0, sources)
         self.reused = 0
 
 
@@ -133,6 +175,8 @@ def decode_steps(
     A prefix hook inside the uncached part of the prompt ends a prefill chunk at its position and is called there.
     Penalties judge verify row i with the reply so far and the drafts before row i, which is the reply that
     row is read after (a row after a rejected draft is never read): speculation changes no token's law.
+    The committed tokens are held once, in `cache`: the position a cycle decodes at is their length, the
+    reply the penalties count is their part after the prompt, and the sources read them from each Commit.
     """
     n_ctx = target.n_ctx_seq
     if not 0 < len(prompt) <= n_ctx:
@@ -149,15 +193,17 @@ def decode_steps(
     text = TextStream(target, config.stop)
     max_tokens = n_ctx if config.max_tokens is None else config.max_tokens  # None: until the context is full
     features = any(s.needs_features for s in active)
-    reply: list[int] = []  # every token chosen so far: what the penalties count
+    committed = cache.tokens  # read, never copied: the loop changes it only through `cache`
+    n_prompt = len(prompt)
     n_logprobs = config.logprobs
 
-    def choose_from(raw: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
-        """The verify rows to choose from: masked by the constraint, then biased and penalised per row."""
-        rows = raw if constraint is None else constraint.mask_block(raw, drafts)
+    def choose_from(raw: np.ndarray, block: Sequence[int]) -> np.ndarray:
+        """The verify rows to choose from: masked by the constraint, then biased and penalised per row.
+        block: the uncommitted tokens the rows are read after, [last, drafts...] (none at the prefill)."""
+        rows = raw if constraint is None else constraint.mask_block(raw, block[1:])
         if not params.adjusts:
             return rows
-        return adjusted_logits(rows, params, _windows(params, reply, drafts, n_ctx, rows.shape[0]))
+        return adjusted_logits(rows, params, _windows(params, committed, n_prompt, block, n_ctx, rows.shape[0]))
 
     def logprobs_of(raw: np.ndarray, chosen: Sequence[int]) -> list[TokenLogprob] | None:
         if n_logprobs is None:
@@ -166,16 +212,15 @@ def decode_steps(
 
     keep = min([cache.common_prefix(prompt)] + [s.cached() for s in active])
     keep = memory.truncate(keep)
-    cache.truncate(keep)
+    cache.truncate(keep, sources)
     cache.reused = keep
-    for s in sources:
-        s.truncate(keep)
 
     def commit(start: int, tokens: Sequence[int]) -> None:
         cache.commit(tokens)
         if active:
             rows = len(tokens)
-            c = Commit(start, tokens, (lambda into: target.append_features(into, rows)) if features else None)
+            c = Commit(start, tokens, (lambda into: target.append_features(into, rows)) if features else None,
+                       sequence=committed)
             for s in active:
                 s.observe(c)
 
@@ -196,7 +241,6 @@ def decode_steps(
     last = _pick(choose_from(logits, ()), params, rng)
     if constraint is not None:
         constraint.commit([last])
-    reply.append(last)
     for s in active:
         s.finish()
     prefill_s = time.perf_counter() - t0
@@ -205,10 +249,10 @@ def decode_steps(
     n_generated = 1
     done = out.finish_reason
     yield Step(kind=StepKind.PREFILL, verify_s=prefill_s, block_size=1, reason="prefill", **out.fields())
-    n_past = len(prompt)
 
     while not done:
         t_cycle = time.perf_counter()
+        n_past = len(committed)  # the position of `last`
         if n_past >= n_ctx:
             tail = _spans(text.flush(TokenSource.PLAIN))
             yield Step(kind=StepKind.CONTEXT_FULL, tokens=[], text="".join(t for t, _ in tail), spans=tail,
@@ -244,7 +288,7 @@ def decode_steps(
         t_verify = time.perf_counter()
         target.decode(block, n_past, logits=True)
         raw = target.output_logits()
-        n_accepted, bonus = _verify(choose_from(raw, block[1:]), candidate, params, rng)
+        n_accepted, bonus = _verify(choose_from(raw, block), candidate, params, rng)
         chosen = block[1 : n_accepted + 1] + [bonus]
         chosen_logprobs = logprobs_of(raw, chosen)
         t_keep = time.perf_counter()
@@ -254,8 +298,6 @@ def decode_steps(
         commit(n_past, block[: n_accepted + 1])
         if constraint is not None:
             constraint.commit(chosen)
-        reply.extend(chosen)
-        n_past += n_accepted + 1
         # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
         timing = CycleTiming(len(block), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))
         policy.observe(choice, n_accepted, timing)
@@ -269,7 +311,7 @@ def decode_steps(
         if done:
             for s in active:
                 s.finish()  # so that a follow-up turn reuses the whole prefix everywhere
-            memory.end_of_turn(n_past)
+            memory.end_of_turn(len(committed))
         yield Step(
             kind=choice.kind if n_draft else StepKind.PLAIN,
             source=choice.source if n_draft else None,
@@ -306,13 +348,16 @@ def _offers(sources: Sequence[DraftSource], last: int, n_past: int, room: int) -
     return offers
 
 
-def _windows(params: SamplingParams, reply: list[int], drafts: Sequence[int], n_ctx: int, rows: int) -> list[list[int]]:
-    """What the penalties count at each verify row: row i comes after the reply and drafts[:i]."""
+def _windows(
+    params: SamplingParams, committed: Sequence[int], start: int, block: Sequence[int], n_ctx: int, rows: int
+) -> list[list[int]]:
+    """What the penalties count at each verify row: the reply (committed[start:], then block[0], chosen but
+    not yet committed) and, for row i, the drafts before it, block[1 : i + 1]."""
     if not params.penalizes:
         return []
     n = n_ctx if params.repeat_last_n < 0 else params.repeat_last_n
-    seq = reply[max(0, len(reply) - n):] + list(drafts)
-    base = len(seq) - len(drafts)
+    seq = [*committed[max(start, len(committed) - n):], *block]
+    base = len(seq) - len(block[1:])
     return [seq[max(0, base + i - n) : base + i] for i in range(rows)]
 
 

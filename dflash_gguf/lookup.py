@@ -43,13 +43,16 @@ class Match:
 class NgramIndex:
     """Positions of every n-gram (n in `sizes`) of a growing token sequence, keyed by the n-gram.
 
-    The sequence is what the target has committed: prompt and generated tokens. `append`/`extend` add to
-    it, `truncate` drops a tail (a new prompt that shares only a prefix), `match` finds where the suffix
-    `tokens[-(n-1):] + [last]` occurred before, and `continuation` copies what followed it.
+    The sequence is what the target has committed (prompt and generated tokens). Its owner holds it (in a
+    Session, the loop's CacheState) and the index only reads it: it keeps its tables and how many positions
+    they cover, never a copy of the tokens. `extend_to` indexes what the owner appended, `truncate` undoes
+    a tail the owner is about to drop (a new prompt that shares only a prefix), `match` finds where the
+    suffix `tokens[-(n-1):] + [last]` occurred before, and `continuation` copies what followed it.
     """
 
     def __init__(
         self,
+        tokens: Sequence[int] = (),
         sizes: Sequence[int] = DEFAULT_SIZES,
         *,
         candidates: int = DEFAULT_CANDIDATES,
@@ -65,36 +68,53 @@ class NgramIndex:
         self.sizes = sizes
         self.candidates = candidates
         self.max_match = max_match
-        self.tokens: list[int] = []
+        self.tokens = tokens  # the owner's sequence, read only: positions 0..len(self)-1 are indexed
+        self._n = 0
         # n -> n-gram -> ascending positions of the token that followed each occurrence
         self._tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in sizes}
         self.ops = 0  # dictionary operations and token comparisons so far (a cost counter for tests)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self._n
 
     # -- building ---------------------------------------------------------------------------------
 
-    def append(self, token: int) -> None:
-        """One more committed token: the n-grams that end just before it now have a continuation."""
-        i = len(self.tokens)
-        seq = self.tokens
-        seq.append(int(token))
-        for n in self.sizes:
-            if i >= n:
-                self._tables[n].setdefault(tuple(seq[i - n : i]), []).append(i)
-                self.ops += 1
+    def attach(self, tokens: Sequence[int]) -> None:
+        """Read another sequence from now on; only while nothing is indexed (the tables describe one sequence)."""
+        if self._n:
+            raise RuntimeError(f"the n-gram index covers {self._n} positions of another sequence: truncate it to 0 first")
+        self.tokens = tokens
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
-            self.append(t)
+    def extend_to(self, end: int) -> None:
+        """Index positions len(self)..end-1, which the sequence holds by now: each closes one n-gram per size."""
+        seq = self.tokens
+        if end > len(seq):
+            raise ValueError(f"cannot index up to {end}: the sequence holds {len(seq)} tokens")
+        tables = self._tables
+        for i in range(self._n, end):
+            for n in self.sizes:
+                if i >= n:
+                    tables[n].setdefault(tuple(seq[i - n : i]), []).append(i)
+                    self.ops += 1
+        self._n = max(self._n, end)
 
     def truncate(self, n: int) -> None:
-        """Forget positions >= n, undoing exactly their insertions (newest first)."""
+        """Forget positions >= n, undoing exactly their insertions (newest first). It reads the n-grams it
+        undoes, so the owner drops the tokens after this, never before; n = 0 empties the tables unread."""
         if n < 0:
             raise ValueError(f"truncate needs n >= 0, got {n}")
+        if n >= self._n:
+            return
+        if n == 0:
+            for table in self._tables.values():
+                table.clear()
+            self._n = 0
+            return
         seq = self.tokens
-        for i in range(len(seq) - 1, n - 1, -1):
+        if len(seq) < self._n:
+            raise RuntimeError(f"the sequence holds {len(seq)} tokens and the index {self._n}: "
+                               "truncate the index before the sequence")
+        for i in range(self._n - 1, n - 1, -1):
             for size in self.sizes:
                 if i >= size:
                     key = tuple(seq[i - size : i])
@@ -104,7 +124,7 @@ class NgramIndex:
                     if not positions:
                         del table[key]
                     self.ops += 1
-        del seq[n:]
+        self._n = n
 
     # -- querying ---------------------------------------------------------------------------------
 
@@ -114,12 +134,12 @@ class NgramIndex:
         The longest indexed n-gram size that occurs wins; among its `candidates` most recent occurrences,
         the one that agrees furthest back (up to max_match), the most recent on a tie.
         """
-        seq = self.tokens
-        length = len(seq) + 1  # of the virtual sequence tokens + [last]
+        seq, end = self.tokens, self._n
+        length = end + 1  # of the virtual sequence tokens[:end] + [last]
         for n in reversed(self.sizes):
             if n > length:
                 continue
-            key = tuple(seq[length - n :]) + (int(last),) if n > 1 else (int(last),)
+            key = tuple(seq[length - n : end]) + (int(last),) if n > 1 else (int(last),)
             positions = self._tables[n].get(key)
             self.ops += 1
             if not positions:
@@ -135,7 +155,7 @@ class NgramIndex:
         return None
 
     def _extend_back(self, i: int, j: int, limit: int) -> int:
-        """How many tokens agree going backwards from seq[i] and seq[j] (j indexes tokens + [last]), at most limit."""
+        """How many tokens agree going backwards from seq[i] and seq[j] (both indexed, j < len(self)), at most limit."""
         seq = self.tokens
         k = 0
         while k < limit and i - k >= 0 and seq[i - k] == seq[j - k]:
@@ -149,12 +169,12 @@ class NgramIndex:
         Past the end of the committed tokens the copy continues from [last] + the draft itself, so a
         repeating pattern ("a b a b ...") drafts as far as asked.
         """
-        seq = self.tokens
+        seq, end = self.tokens, self._n
         tail = [int(last)]
         out: list[int] = []
         for j in range(n):
             p = match.pos + j
-            tok = seq[p] if p < len(seq) else tail[p - len(seq)]
+            tok = seq[p] if p < end else tail[p - end]
             out.append(tok)
             tail.append(tok)
         self.ops += n
@@ -224,8 +244,9 @@ DEFAULT_MAX_DRAFT = 32
 class LookupSource(DraftSource):
     """N-gram lookup as a draft source: free, deterministic proposals copied from the context.
 
-    It indexes every committed token (prompt chunks and accepted cycles) as the loop reports them, so a
-    query never rescans the context. Proposals are point masses: with sampling each token is accepted
+    It indexes every committed token (prompt chunks and accepted cycles) as the loop reports them, reading
+    them from the loop's one copy (Commit.sequence), so a query never rescans the context and no token is
+    held twice. Proposals are point masses: with sampling each token is accepted
     with the target's own probability of it (q = 1 at the drafted token), which keeps the output
     distributed exactly as the target's. What passed is learnt per match length (`stats`), from the
     commits themselves, and its `offer` says what each length is expected to commit, for the policy to price.
@@ -283,8 +304,13 @@ class LookupSource(DraftSource):
         return Candidate(self.name, ids, point_mass=True)
 
     def observe(self, commit: Commit) -> None:
-        if commit.start != len(self.index):
-            raise RuntimeError(f"lookup index out of order: commit at {commit.start}, index at {len(self.index)}")
+        index = self.index
+        if commit.sequence is not index.tokens:
+            if commit.sequence is None:
+                raise ValueError("lookup reads the committed tokens from Commit.sequence, and this commit has none")
+            index.attach(commit.sequence)
+        if commit.start != len(index):
+            raise RuntimeError(f"lookup index out of order: commit at {commit.start}, index at {len(index)}")
         if self._proposed is not None and self._proposed[0] == commit.start:
             _, length, drafted = self._proposed
             got = list(commit.tokens[1:])
@@ -294,4 +320,4 @@ class LookupSource(DraftSource):
             self.stats.observe(length, len(drafted), n_accepted)
         self._proposed = None
         self._match = None
-        self.index.extend(commit.tokens)
+        index.extend_to(commit.start + len(commit.tokens))

@@ -22,7 +22,7 @@ from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationCo
 from .constraints import Constraint, ForcedTokenSource
 from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
-from .decoding import CacheState, PrefixHook, decode_steps
+from .decoding import CacheState, PrefixHook, TokensView, decode_steps
 from .drafter import Drafter
 from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
@@ -340,10 +340,8 @@ class Session:
             self._leave_generation()
 
     def _forget(self) -> None:
-        self._cache.invalidate()
+        self._cache.invalidate(self._sources)
         self.memory.truncate(0)
-        for s in self._sources:
-            s.truncate(0)
 
     def _steps(self, tokens: list[int], config: GenerationConfig) -> Iterator[Step]:
         """decode_steps with this Session's caches, one generation at a time; sets `last_stats` at the end."""
@@ -443,7 +441,7 @@ class Session:
         n = len(snapshot.tokens)
         if "target" not in snapshot.parts or (self.drafter is not None) != ("drafter" in snapshot.parts):
             raise ValueError("the entry does not hold this Session's parts")
-        self._cache.invalidate()
+        self._cache.invalidate(self._sources)
         self.target.load_sequence(snapshot.parts["target"])
         if self.target.pos_max(0) + 1 != n:
             raise RuntimeError(f"the target holds {self.target.pos_max(0) + 1} positions after restoring {n}")
@@ -455,9 +453,8 @@ class Session:
                 if self.drafter.pos_max() + 1 != n:
                     raise RuntimeError(f"the drafter holds {self.drafter.pos_max() + 1} positions after restoring {n}")
                 s.restored(n)
-            else:  # its state is a function of the tokens (lookup's n-gram index)
-                s.truncate(0)
-                s.observe(Commit(0, snapshot.tokens))
+            else:  # its state is a function of the tokens (lookup indexes them where they are held)
+                s.observe(Commit(0, snapshot.tokens, sequence=self._cache.tokens))
 
     def _prompt_hook(self, tokens: list[int], restored: CacheEvent | None) -> PrefixHook | None:
         """Where the cache is used and the memory cannot reach back (a recurrent state), the entry stored at
@@ -641,6 +638,13 @@ class Session:
     def n_ctx(self) -> int:
         """Tokens one generation's prompt and reply may hold together."""
         return self.target.n_ctx_seq
+
+    @property
+    def committed_tokens(self) -> TokensView:
+        """The tokens this Session's context holds (the last prompt and its reply, or a restored state): a
+        prompt that extends them reuses them. A read-only view of the one copy, which the next generation
+        changes: a server's slot routes follow-up turns by it."""
+        return self._cache.view
 
     # -- text ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:

@@ -64,6 +64,9 @@ class Commit:
     tokens: Sequence[int]
     # appends the tokens' layer-input features to the rows given; valid only while observe() runs
     features: Callable[[FeatureRows], None] | None = None
+    # every token the target holds, these last: the loop's one copy (decoding.CacheState), shared with a
+    # source that reads history (lookup) instead of copied into it; read it, never change it
+    sequence: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class DraftSource(ABC):
 
     @abstractmethod
     def truncate(self, n: int) -> None:
-        """Forget every position >= n (the target dropped them)."""
+        """Forget every position >= n (the target dropped them; the committed sequence still holds them)."""
 
     @abstractmethod
     def available(self, last: int, n_past: int) -> int:

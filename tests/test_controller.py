@@ -246,7 +246,8 @@ def _lookup_with_a_match(accepted_fraction: float):
 
     source = LookupSource(max_draft=8)
     seq = list(range(100, 140))
-    source.observe(Commit(0, seq + seq[:20]))  # the last token, seq[20], follows seq[:20] as it did before
+    committed = seq + seq[:20]  # the last token, seq[20], follows seq[:20] as it did before
+    source.observe(Commit(0, committed, sequence=committed))
     last, n_past = seq[20], 60
     for _ in range(40):
         m = source.match(last, n_past)

@@ -40,8 +40,9 @@ def ratio(table: dict[int, float], n: int) -> float:
 def replay(prompt: list[int], output: list[int], costs: dict[int, float], *, max_draft: int = 32,
            oracle: bool = False) -> float:
     """Speedup over plain decoding of lookup drafting over `output` (greedy), the policy choosing lengths."""
-    index, stats = NgramIndex(), LookupStats()
-    index.extend(prompt)
+    committed = list(prompt)  # what the target would hold: the index reads it
+    index, stats = NgramIndex(committed), LookupStats()
+    index.extend_to(len(committed))
     steps, last, i = 0.0, output[0], 1
     while i < len(output):
         m, n = index.match(last), 0
@@ -60,8 +61,8 @@ def replay(prompt: list[int], output: list[int], costs: dict[int, float], *, max
         if n:
             accepted = min(n, agree)
             stats.observe(m.length, n, accepted)
-        index.append(last)
-        index.extend(output[i : i + accepted])
+        committed += [last, *output[i : i + accepted]]
+        index.extend_to(len(committed))
         steps += ratio(costs, n + 1)
         last = output[i + accepted] if i + accepted < len(output) else 0
         i += accepted + 1

@@ -165,7 +165,7 @@ class Run:
 
     def __init__(self, engine: Engine, prepared: Prepared, slot: Slot, request: Request, queue_s: float) -> None:
         self.engine, self.prepared, self.slot, self.queue_s = engine, prepared, slot, queue_s
-        self.generation = Generation(engine.pool, slot, prepared.start, prepared.tokens).start()
+        self.generation = Generation(engine.pool, slot, prepared.start).start()
         self._finished = False
         self.generation_done_callbacks: list[Callable[[], Any]] = []
         self._watch = asyncio.ensure_future(self._watch_disconnect(request))

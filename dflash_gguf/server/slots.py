@@ -4,6 +4,7 @@ Runs on the event loop only (no locks): a request takes a free slot at once when
 otherwise joins the queue, or gets 429 when the queue is full (503 once the server is closing).
 Among free slots it takes the one whose cached tokens its prompt extends the most, so that a
 multi-turn chat keeps landing on the slot that holds its KV; ties go to the least recently used.
+A slot's cached tokens are its Session's committed tokens, read where the Session holds them.
 
 A slot that frees while requests wait goes to the earliest waiter whose conversation lives there (its
 prompt shares at least AFFINITY_MARGIN more tokens with that slot's cache than with any other slot's);
@@ -18,9 +19,10 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
+from ..decoding import shared_prefix
 from ..session import Session
 from .errors import APIError
 
@@ -30,15 +32,16 @@ AFFINITY_MARGIN = 16  # prompt tokens a slot's cache must share beyond any other
 class Slot:
     id: int
     session: Session
-    cached: list[int] = field(default_factory=list)  # prompt + reply tokens of its last request
     last_used: float = 0.0
     busy: bool = False
 
+    @property
+    def cached(self) -> Sequence[int]:
+        """The tokens its Session's context holds (a view, not a copy; a busy slot's change as it decodes)."""
+        return self.session.committed_tokens
+
     def shared_prefix(self, tokens: Sequence[int]) -> int:
-        n, limit = 0, min(len(self.cached), len(tokens))
-        while n < limit and self.cached[n] == tokens[n]:
-            n += 1
-        return n
+        return shared_prefix(self.cached, tokens)
 
 
 @dataclass(eq=False)
@@ -88,17 +91,15 @@ class SlotPool:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
             elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(waiter.future.result(), None)  # handed a slot just as the client left
+                self.release(waiter.future.result())  # handed a slot just as the client left
             raise
 
     def _take(self, slot: Slot) -> Slot:
         slot.busy = True
         return slot
 
-    def release(self, slot: Slot, cached: list[int] | None, duration_s: float | None = None) -> None:
+    def release(self, slot: Slot, duration_s: float | None = None) -> None:
         """The slot's generation has ended (its thread is done with the Session): hand it on."""
-        if cached is not None:
-            slot.cached = cached
         if duration_s is not None:
             self._durations.append(duration_s)
         slot.last_used = time.monotonic()

@@ -29,10 +29,8 @@ class Outcome:
 
 
 class Generation:
-    def __init__(self, pool: SlotPool, slot: Slot, start: Callable[[Session], Iterator[Step]],
-                 prompt_tokens: list[int]) -> None:
+    def __init__(self, pool: SlotPool, slot: Slot, start: Callable[[Session], Iterator[Step]]) -> None:
         self.pool, self.slot, self._start = pool, slot, start
-        self._prompt_tokens = prompt_tokens
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Step | Outcome] = asyncio.Queue()
         self._cancel = threading.Event()
@@ -71,13 +69,11 @@ class Generation:
 
     def _run(self) -> None:
         outcome = Outcome()
-        reply: list[int] = []
         steps: Iterator[Step] | None = None
         try:
             if not self._cancel.is_set():
                 steps = self._start(self.slot.session)
                 for step in steps:
-                    reply += step.tokens
                     self._post(step)
                     if self._cancel.is_set():
                         break
@@ -90,15 +86,14 @@ class Generation:
         finally:
             if steps is not None and hasattr(steps, "close"):
                 steps.close()  # ends the Session's generation (and its lock) here, in this thread
-            cached = self._prompt_tokens + reply if outcome.error is None else []
             try:
-                self._loop.call_soon_threadsafe(self._end, outcome, cached)
+                self._loop.call_soon_threadsafe(self._end, outcome)
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 self.slot.busy = False
 
-    def _end(self, outcome: Outcome, cached: list[int]) -> None:
+    def _end(self, outcome: Outcome) -> None:
         """Release the slot, then hand over the Outcome: a client that has its answer finds the slot (and
-        the conversation it caches) free for its next turn."""
-        self.pool.release(self.slot, cached, time.perf_counter() - self.started)
+        the conversation its Session holds) free for its next turn."""
+        self.pool.release(self.slot, time.perf_counter() - self.started)
         self.done.set()
         self._events.put_nowait(outcome)
