@@ -9,7 +9,10 @@ frequency_penalty, logit_bias (token ids), and llama.cpp's repeat_penalty, repea
 Structured output is acted on: `grammar` (GBNF), OpenAI `response_format` (json_object, json_schema) and
 Anthropic `output_config.format` become the Session's grammar / json_schema constraint. Parameters left at their neutral value are accepted, since clients send the
 defaults; output_config.effort, metadata, cache_control, service_tier and the like change nothing about a
-local model's reply and are accepted as neutral.
+local model's reply and are accepted as neutral. What Claude Code adds is accepted too: `thinking` (checked,
+the model thinks only as its template makes it), `context_management` (checked, not applied), earlier turns'
+thinking blocks (left out of the prompt, as Anthropic leaves them out) and the billing header that opens its
+system prompt (removed: its per-request stamp would end every cached prefix at the first line).
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class MessagesRequest(BaseModel):
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
     output_config: Optional[dict[str, Any]] = None
+    context_management: Optional[dict[str, Any]] = None  # Claude Code sends it; checked in messages_job
     output_format: Optional[dict[str, Any]] = None  # the structured-output beta's earlier spelling
     container: Optional[Any] = None
     # neutral for a local model: none of them changes the reply (prefixes are cached whatever cache_control says)
@@ -289,14 +293,13 @@ def messages_job(req: MessagesRequest) -> Job:
         raise _refuse("output_format", "give output_config.format or output_format, not both", "invalid_value")
     fmt, where = (output.get("format"), "output_config.format") if output.get("format") else (req.output_format, "output_format")
     constraint = _anthropic_format(fmt, where) if fmt is not None else {}
-    if req.thinking and req.thinking.get("type") not in (None, "disabled", "adaptive"):
-        # "adaptive" lets the model decide whether to think, and this one answers directly
-        raise _refuse("thinking", "extended thinking is not supported (use 'adaptive' or 'disabled')")
+    _check_thinking(req.thinking)
+    _check_context_management(req.context_management)
     if req.container is not None:
         raise _refuse("container", "code-execution containers are not supported")
     messages: list[Message] = []
     if req.system:
-        messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
+        messages.append({"role": "system", "content": _without_billing_header(_anthropic_text(req.system, "system"))})
     ids: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
         messages += _anthropic_message(m, f"messages.{i}.content", ids)
@@ -304,6 +307,50 @@ def messages_job(req: MessagesRequest) -> Job:
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
                tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)
+
+
+def _check_thinking(thinking: dict[str, Any] | None) -> None:
+    """Extended thinking as Anthropic checks it (with interleaved thinking, which Claude Code asks for, the budget
+    may exceed max_tokens). The model thinks only where its own template makes it and the reply carries no
+    separate thinking blocks, so every type is accepted and none changes the reply."""
+    if not thinking:
+        return
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise _refuse("thinking.type", f"must be enabled, disabled or adaptive, got {kind!r}", "invalid_value")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise _refuse("thinking.budget_tokens", f"must be an integer >= 1024, got {budget!r}", "invalid_value")
+
+
+CONTEXT_EDITS = ("clear_tool_uses_20250919", "clear_thinking_20251015")
+
+
+def _check_context_management(management: dict[str, Any] | None) -> None:
+    """Context editing (Claude Code sends it): the known edits are accepted and none is applied. Earlier turns'
+    thinking blocks never reach the prompt here, and old tool results are kept, since the whole history is
+    bounded by the context (a longer one is a 400) and the prompt cache makes resending it cheap."""
+    if management is None:
+        return
+    edits = management.get("edits", [])
+    if set(management) - {"edits"} or not isinstance(edits, list):
+        raise _refuse("context_management", "must be {\"edits\": [...]}", "invalid_value")
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind not in CONTEXT_EDITS:
+            raise _refuse(f"context_management.edits.{i}.type", f"must be one of {', '.join(CONTEXT_EDITS)}, got {kind!r}",
+                          "invalid_value")
+
+
+# Claude Code's first system line: "x-anthropic-billing-header: cc_version=...; cc_entrypoint=cli; cch=a5145;"
+# Its cch changes on every request, so left in the prompt it would end every cached prefix at the first line.
+_BILLING_HEADER = re.compile(r"^x-anthropic-billing-header:(?:\s*[\w.-]+=[^;\n]*;)*[ \t]*\n?")
+
+
+def _without_billing_header(system: str) -> str:
+    """The system prompt without Claude Code's billing header, which is for Anthropic's accounting, not the model."""
+    return _BILLING_HEADER.sub("", system, count=1)
 
 
 def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
@@ -338,6 +385,8 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
             ids.add(data["id"])
             calls.append({"id": data["id"], "type": "function",
                           "function": {"name": data.get("name"), "arguments": data["input"]}})
+        elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+            continue  # an earlier turn's thinking: Anthropic leaves it out of the context too
         elif block.type == "tool_result" and m.role == "user":
             if data.get("tool_use_id") not in ids:
                 raise _refuse(f"{where}.tool_use_id", f"no earlier tool_use block has the id {data.get('tool_use_id')!r}",
@@ -346,7 +395,7 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
                             "content": _tool_result_text(data.get("content"), f"{where}.content")})
         else:
             raise _refuse(f"{where}.type", f"content block {block.type!r} is not supported in a {m.role} message: "
-                          "text, tool_use (assistant) and tool_result (user) are")
+                          "text, tool_use and thinking (assistant) and tool_result (user) are")
     out, text = results, "".join(texts)
     if calls:
         out.append({"role": "assistant", "content": text, "tool_calls": calls})
