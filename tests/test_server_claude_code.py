@@ -88,3 +88,18 @@ def test_a_bad_thinking_or_context_edit_is_a_400_naming_the_field(claude, change
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.beta.messages.create(**(claude_code_request("a5145", QUESTION) | change))
     assert e.value.body["error"]["message"].startswith(f"{field}:")
+
+
+def test_count_tokens_is_the_prompt_a_request_sends(claude):
+    """Claude Code counts before it sends: the count is the input_tokens of the same request answered, and a
+    request the Messages route refuses is refused here with the same field."""
+    request = claude_code_request("a5145", QUESTION)
+    counted = claude.beta.messages.count_tokens(model="smol", betas=BETAS, system=request["system"],
+                                                messages=QUESTION, thinking=request["thinking"])
+    assert counted.input_tokens == claude.beta.messages.create(**request).usage.input_tokens
+    tools = [{"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+    with pytest.raises(anthropic.BadRequestError) as e:  # the embedded model's template has no tool support
+        claude.messages.count_tokens(model="smol", messages=QUESTION, tools=tools)
+    assert e.value.body["error"]["message"].startswith("tools:")
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="another-model", messages=QUESTION)

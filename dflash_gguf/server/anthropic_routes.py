@@ -1,4 +1,5 @@
-"""POST /v1/messages: the Anthropic Messages API, whole or as its stream of named events.
+"""POST /v1/messages: the Anthropic Messages API, whole or as its stream of named events; and
+POST /v1/messages/count_tokens, the length of the prompt a request would send.
 
 stop_reason: end_turn (the model ended its turn), max_tokens, stop_sequence (one of the caller's
 stop_sequences, named in stop_sequence), tool_use (the reply calls tools: a tool_use block each, streamed
@@ -8,9 +9,10 @@ and in the message_delta event; the SDK keeps unknown fields aside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 
@@ -18,7 +20,7 @@ from ..tool_calls import CallDelta, ToolStream
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .openai_routes import check_model
-from .schemas import MessagesRequest, anthropic_param, messages_job
+from .schemas import CountTokensRequest, MessagesRequest, anthropic_param, messages_job
 from .sse import stream_response
 
 
@@ -37,13 +39,8 @@ def router(engine: Engine) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         job = messages_job(body)
-        try:
+        with _anthropic_terms():
             prepared = engine.prepare(job)
-        except APIError as e:  # a tool field named in this request's terms (tools.0.input_schema)
-            if e.param is not None and e.param.startswith(("tools", "tool_choice")):
-                e.param = anthropic_param(e.param)
-                e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
-            raise
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}
         plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
@@ -67,7 +64,27 @@ def router(engine: Engine) -> APIRouter:
                 }
         raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
 
+    @r.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        """The prompt's length in tokens as /v1/messages would render it (Claude Code asks before it sends)."""
+        check_model(engine, body.model)
+        with _anthropic_terms():
+            tokens, _, _ = engine.prompt(messages_job(body))
+        return {"input_tokens": len(tokens)}
+
     return r
+
+
+@contextlib.contextmanager
+def _anthropic_terms() -> Iterator[None]:
+    """An APIError about a tool field, named in the Anthropic request's terms (tools.0.input_schema)."""
+    try:
+        yield
+    except APIError as e:
+        if e.param is not None and e.param.startswith(("tools", "tool_choice")):
+            e.param = anthropic_param(e.param)
+            e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
+        raise
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:

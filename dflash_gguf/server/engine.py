@@ -75,6 +75,27 @@ class Engine:
         t0 = time.perf_counter()
         session = self.pool.slots[0].session
         target = session.target
+        tokens, template_stops, plan = self.prompt(job)
+        if len(tokens) >= self.n_ctx:
+            raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
+                           "for at least one more", param="messages" if job.messages is not None else "prompt",
+                           code="context_length_exceeded")
+        try:  # checked here, before a slot is taken; the request's own field names are the config's
+            config = GenerationConfig.build(self.config.generation, **job.gen, stop=job.user_stops)
+            config.sampling.check_vocab(target.n_vocab)
+        except SettingError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+        try:
+            config = session.chat_config(config, plan).with_stops(template_stops)
+        except ToolError as e:
+            raise _tool_error(e, False) from None
+        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan)
+
+    def prompt(self, job: Job) -> tuple[list[int], list[str], ToolPlan | None]:
+        """The job's prompt tokens (its messages rendered with the tools it declares), the template's stop
+        strings and the checked tools."""
+        session = self.pool.slots[0].session
+        target = session.target
         template_stops: list[str] = []
         plan = None
         if job.messages is not None:
@@ -91,20 +112,7 @@ class Engine:
             tokens = target.tokenize(job.prompt, add_special=True, parse_special=True)
         if not tokens:
             raise APIError(400, "the prompt is empty: nothing to condition on", param="prompt", code="invalid_value")
-        if len(tokens) >= self.n_ctx:
-            raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
-                           "for at least one more", param="messages" if job.messages is not None else "prompt",
-                           code="context_length_exceeded")
-        try:  # checked here, before a slot is taken; the request's own field names are the config's
-            config = GenerationConfig.build(self.config.generation, **job.gen, stop=job.user_stops)
-            config.sampling.check_vocab(target.n_vocab)
-        except SettingError as e:
-            raise APIError(400, str(e), param=e.field, code="invalid_value") from None
-        try:
-            config = session.chat_config(config, plan).with_stops(template_stops)
-        except ToolError as e:
-            raise _tool_error(e, False) from None
-        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan)
+        return tokens, template_stops, plan
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
         """Wait for a slot (429 when the queue is full), then start the generation in its thread."""

@@ -176,6 +176,12 @@ class MessagesRequest(BaseModel):
     diagnostics: Optional[dict[str, Any]] = None
 
 
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request without the generation's own fields."""
+
+    max_tokens: int = Field(default=1, ge=1)
+
+
 # -- what the Session is asked ------------------------------------------------------------------
 @dataclass
 class Job:
