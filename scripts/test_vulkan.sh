@@ -19,21 +19,10 @@ mkdir -p "$cache"
 sudo=""
 [ "$(id -u)" = 0 ] || sudo="sudo"
 
-# 1. the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
-packages="libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
-missing=""
-for p in $packages; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-if [ -n "$missing" ]; then
-    echo "test_vulkan: installing$missing"
-    $sudo apt-get update -q
-    $sudo apt-get install -y -q $missing
-fi
-
-# 1b. the driver: lavapipe from Mesa >= 25. Debian 12's Mesa 22.3.6 crashes inside lavapipe on hybrid targets
-# and on some flash-attention batches (docs/BACKENDS.md); bookworm-backports carries Mesa 25.0.7 built for
-# Debian 12's libc, so on bookworm it comes from there (it upgrades the other Mesa packages with it).
+# 1. the driver, lavapipe from Mesa >= 25, first (vulkan-tools would otherwise pull the distribution's Mesa).
+# Debian 12's Mesa 22.3.6 crashes inside lavapipe on hybrid targets and on some flash-attention batches
+# (docs/BACKENDS.md); bookworm-backports carries Mesa 25.0.7 built for Debian 12's libc, so on bookworm it
+# comes from there (the other installed Mesa packages are upgraded with it).
 mesa_min=25
 mesa_version() { dpkg-query -W -f='${Status} ${Version}' mesa-vulkan-drivers 2>/dev/null | sed -n 's/^install ok installed //p'; }
 mesa=$(mesa_version)
@@ -53,6 +42,18 @@ if [ -z "$mesa" ] || dpkg --compare-versions "$mesa" lt "$mesa_min"; then
     mesa=$(mesa_version)
     dpkg --compare-versions "$mesa" ge "$mesa_min" \
         || echo "test_vulkan: warning: Mesa $mesa is older than $mesa_min; lavapipe crashes are known there (docs/BACKENDS.md)" >&2
+fi
+
+# 1b. the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
+packages="libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
+missing=""
+for p in $packages; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    echo "test_vulkan: installing$missing"
+    $sudo apt-get update -q
+    $sudo apt-get install -y -q $missing
 fi
 
 # 2. Vulkan-Hpp headers new enough for the vendored ggml-vulkan (vk::LayerSettingEXT, Vulkan 1.3.261+).
