@@ -3,18 +3,28 @@
 The workload is an agent's second request: turn 1 (system prompt + tool definitions + a file + a question)
 is answered and stored; turn 2 resends all of it, the reply, and a new question. Cold prefills turn 2 in a
 Session without a cache; RAM restores the stored turn in a new Session sharing the cache; disk does it in a
-new process (a restarted server) with only the directory. Every Session first answers an unrelated short
-prompt, so the drafter's one-off cost calibration is not counted as prefill. Greedy: the three replies must
-be identical.
+new process (a restarted server) with only (a copy of) the directory. Every Session first answers an
+unrelated short prompt, so the drafter's one-off cost calibration is not counted as prefill. Greedy: the three
+replies must be identical. --reps R repeats the three, interleaved, with R different questions in turn 2
+(each warm run stores its turn, which shares the next run's prefix up to the question) and reports the
+fastest of each too: on a loaded machine load only adds.
+
+--catch-up N...: what a warm request costs as the restored prefix grows (issue 23: the drafter's catch-up
+after a restored prefix must not be quadratic). For each N, a Session stores the state after the prompt's
+first N tokens; a fork sharing its cache then sends those N tokens and a fixed new question, restores the N
+and prefills the question, once speculatively (the drafter injects the question's features after the N
+restored positions) and once plainly (target only); the difference is the drafter's catch-up.
 
     python scripts/bench_prompt_cache.py                        # the embedded pair, ~3000 tokens
-    python scripts/bench_prompt_cache.py --target T --drafter D --tokens 3000 --kv q8_0
+    python scripts/bench_prompt_cache.py --target T --drafter D --tokens 10000 --kv q8_0
+    python scripts/bench_prompt_cache.py --catch-up 1000 2000 4000 8000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,6 +59,20 @@ def agent_prompt(session: Session, n_tokens: int) -> list[int]:
     return body
 
 
+# turn 2's new question, one per --reps run: each warm run stores its turn, which the next run's prefix
+# then shares up to the question (the next run restores that), so every run asks its own
+QUESTIONS = ["And Session.fork?", "And what does close do?", "Which locks does it take?", "Where is last_stats set?",
+             "Is reset thread-safe?"]
+QUESTION = ("<|im_end|>\n<|im_start|>user\nNow a different task. Write a function that parses a size such as "
+            "512MiB or 2GiB into bytes, with tests for each unit, and explain the edge cases you handle: an empty "
+            "string, a negative number, an unknown unit, a fraction, whitespace around the number and the unit, "
+            "and a number so large that it overflows.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def ttft(session: Session, tokens: list[int], max_tokens: int) -> tuple[float, list[int], dict | None]:
     """Seconds to the first token, the reply's tokens, what the prompt cache did."""
     t0 = time.perf_counter()
@@ -77,14 +101,25 @@ def main() -> None:
     p.add_argument("--drafter", type=Path)
     p.add_argument("--tokens", type=int, default=3000, help="turn-1 prompt length (default 3000)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--n-ctx", type=int, default=8192)
+    p.add_argument("--n-ctx", type=int, help="default: room for the longest prompt and reply, rounded up to a multiple of 1024")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv", default="f16", help="KV cache type of target and drafter (f16, q8_0, q4_0)")
+    p.add_argument("--catch-up", type=int, nargs="+", metavar="N", help="restored prefix lengths to time (see above)")
+    p.add_argument("--reps", type=int, help=f"interleaved runs of cold, disk and RAM (default 1, at most "
+                   f"{len(QUESTIONS)}); with --catch-up, per N (default 3)")
     p.add_argument("--phase", choices=["all", "disk"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--turn2", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.reps = args.reps if args.reps is not None else 3 if args.catch_up else 1
+    if args.reps < 1 or (not args.catch_up and args.reps > len(QUESTIONS)):
+        p.error(f"--reps must be between 1 and {len(QUESTIONS)} (any number >= 1 with --catch-up)")
+    longest = max(args.catch_up or [args.tokens]) + 512  # the prompt, a second turn or question, the replies
+    args.n_ctx = args.n_ctx or -(-longest // 1024) * 1024
 
+    if args.catch_up:
+        catch_up(args)
+        return
     if args.phase == "disk":  # the restarted process: a cache with only the directory
         with open_session(args, PromptCache(directory=args.dir)) as s:
             print(json.dumps(ttft(s, json.loads(args.turn2.read_text()), args.max_tokens)))
@@ -96,12 +131,42 @@ def main() -> None:
         with open_session(args, cache) as s:
             turn1 = agent_prompt(s, args.tokens)
             t1, reply1, _ = ttft(s, turn1, args.max_tokens)  # stores prompt + reply
-            turn2 = turn1 + reply1 + s.tokenize("<|im_end|>\n<|im_start|>user\nAnd Session.fork?<|im_end|>\n"
-                                                "<|im_start|>assistant\n", add_special=False)
-        with open_session(args, None) as s:
-            cold, reply_cold, _ = ttft(s, turn2, args.max_tokens)
-            cold_prefill = s.last_stats.prefill_s
-        restart = Path(tempfile.mkdtemp(prefix="dflash-pc-restart-"))
+            turns = [turn1 + reply1 + s.tokenize(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
+                                                 add_special=False) for q in QUESTIONS[: args.reps]]
+        print(f"turn 1: {len(turn1)} tokens (TTFT {t1:.2f} s, stored); turn 2: {len(turns[0])} tokens; KV {args.kv}; "
+              f"n_ctx {args.n_ctx}; {args.threads} threads; {load()}")
+        print("| run | cold TTFT s (prefill s) | warm RAM TTFT s | % of cold | warm disk TTFT s (new process) | % of cold "
+              "| restored RAM / disk | restore ms RAM / disk | replies identical | load |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+        best = {"cold": [], "ram": [], "disk": []}
+        for i, turn2 in enumerate(turns):
+            with open_session(args, None) as s:
+                cold, reply_cold, _ = ttft(s, turn2, args.max_tokens)
+                cold_prefill = s.last_stats.prefill_s
+            disk, reply_disk, event_disk = restarted(args, directory, turn2)
+            with open_session(args, cache) as s:  # another Session sharing the cache: a slot of the same server
+                ram, reply_ram, event_ram = ttft(s, turn2, args.max_tokens)
+            for k, v in (("cold", cold), ("ram", ram), ("disk", disk)):
+                best[k].append(v)
+            print(f"| {i + 1} | {cold:.3f} ({cold_prefill:.3f}) | {ram:.3f} | {100 * ram / cold:.1f}% | {disk:.3f} | "
+                  f"{100 * disk / cold:.1f}% | {event_ram['n_restored']} / {event_disk['n_restored']} | "
+                  f"{event_ram['restore_ms']:.0f} / {event_disk['restore_ms']:.0f} | "
+                  f"{reply_cold == reply_ram == reply_disk} | {load()[len('load average '):]} |", flush=True)
+            if event_ram["tier"] != "ram" or event_disk["tier"] != "disk":
+                raise SystemExit(f"expected a RAM and a disk hit, got {event_ram} and {event_disk}")
+        cold, ram, disk = (min(best[k]) for k in ("cold", "ram", "disk"))
+        print(f"fastest of {len(turns)}: cold {cold:.3f} s, warm RAM {ram:.3f} s ({100 * ram / cold:.1f}%), "
+              f"warm disk {disk:.3f} s ({100 * disk / cold:.1f}%)")
+        per_token = max(e.stat().st_size for e in directory.glob("*.dfpc")) / (len(turn1) + len(reply1) - 1)
+        print(f"entry size: {per_token / 1024:.1f} KiB per cached token (target + drafter state)")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def restarted(args: argparse.Namespace, directory: Path, turn2: list[int]) -> tuple[float, list[int], dict]:
+    """ttft() of turn2 in a new process whose cache is a copy of `directory` (a restarted server)."""
+    restart = Path(tempfile.mkdtemp(prefix="dflash-pc-restart-"))
+    try:
         shutil.copytree(directory, restart, dirs_exist_ok=True)  # its own copy: what it stores is not seen here
         saved = restart / "turn2.json"
         saved.write_text(json.dumps(turn2))
@@ -110,20 +175,64 @@ def main() -> None:
                "--kv", args.kv]
         cmd += ["--target", str(args.target)] if args.target else []
         cmd += ["--drafter", str(args.drafter)] if args.drafter else []
-        disk, reply_disk, event_disk = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        shutil.rmtree(restart, ignore_errors=True)
-        with open_session(args, cache) as s:
-            ram, reply_ram, event_ram = ttft(s, turn2, args.max_tokens)
-        entries = list(directory.glob("*.dfpc"))
-        per_token = max(e.stat().st_size for e in entries) / (len(turn1) + len(reply1) - 1)
-        print(f"turn 1: {len(turn1)} tokens (TTFT {t1:.2f} s, stored); turn 2: {len(turn2)} tokens; KV {args.kv}")
-        print(f"cold TTFT           {cold:8.3f} s  (prefill {cold_prefill:.3f} s)")
-        print(f"warm from RAM TTFT  {ram:8.3f} s  ({100 * ram / cold:.1f}% of cold; {event_ram})")
-        print(f"warm from disk TTFT {disk:8.3f} s  ({100 * disk / cold:.1f}% of cold, new process; {event_disk})")
-        print(f"entry size: {per_token / 1024:.1f} KiB per cached token (target + drafter state)")
-        print(f"replies identical: {reply_cold == reply_ram == reply_disk}")
+        return tuple(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(restart, ignore_errors=True)
+
+
+def catch_up(args: argparse.Namespace) -> None:
+    """Restore N tokens and prefill a fixed question after them, speculatively and plainly, interleaved
+    --reps times for each N (the fastest of each kept: load only adds). The Ns are prefixes of one prompt,
+    so one Session prefills the longest only once (each shorter prefix's state is stored and measured
+    before the next, longer one supersedes it)."""
+    longest = max(args.catch_up)
+    print(f"n_ctx {args.n_ctx}, {args.threads} threads, KV {args.kv}, fastest of {args.reps} interleaved runs; "
+          f"{load()}")
+    print("| restored N | restore ms | question prefill, speculative s | plain s | drafter inject s | "
+          "inject ms per 1k restored | load |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    with open_session(args, PromptCache(ram_bytes=8 << 30)) as s:
+        prompt = agent_prompt(s, int(longest * 1.04) + 64)  # it comes out a few % under what is asked
+        question = s.tokenize(QUESTION, add_special=False)
+        for n in sorted(args.catch_up):
+            if n > len(prompt):
+                raise SystemExit(f"--catch-up {n}: the agent prompt has only {len(prompt)} tokens")
+            prefix = prompt[:n]
+            for _ in s.stream_tokens(prefix, max_tokens=1):  # stores the state after the prefix (and a token)
+                pass
+            runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+            for _ in range(args.reps):
+                for speculative in (True, False):
+                    with s.fork() as other:
+                        runs[speculative].append(warm_prefill(other, prefix + question, n, speculative))
+            restore = min(r[0] for r in runs[True] + runs[False])
+            spec, plain = min(r[1] for r in runs[True]), min(r[1] for r in runs[False])
+            inject = min(r[2] for r in runs[True])
+            print(f"| {n} | {restore:.0f} | {spec:.3f} | {plain:.3f} | {inject:.3f} | {inject * 1e6 / n:.1f} | "
+                  f"{load()[len('load average '):]} |", flush=True)
+    print(f"question: {len(question)} tokens")
+
+
+def warm_prefill(session: Session, tokens: list[int], n_restored: int, speculative: bool) -> tuple[float, float, float]:
+    """(restore ms, prefill s, seconds in the drafter's inject) of one generation that must restore n_restored."""
+    injected = [0.0]
+    drafter = session.drafter
+    inject = drafter.inject
+
+    def timed_inject(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inject(*a, **kw)
+        finally:
+            injected[0] += time.perf_counter() - t0
+
+    drafter.inject = timed_inject  # this fork's drafter only
+    for _ in session.stream_tokens(tokens, max_tokens=1, speculative=speculative):
+        pass
+    stats = session.last_stats
+    if stats.prompt_cache.tier != "ram" or stats.n_cached_tokens < n_restored:
+        raise SystemExit(f"expected a RAM hit of {n_restored} tokens, got {stats.prompt_cache}")
+    return stats.prompt_cache.restore_ms, stats.prefill_s, injected[0]
 
 
 if __name__ == "__main__":

@@ -19,8 +19,33 @@ mkdir -p "$cache"
 sudo=""
 [ "$(id -u)" = 0 ] || sudo="sudo"
 
-# 1. the driver, the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
-packages="mesa-vulkan-drivers libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
+# 1. the driver, lavapipe from Mesa >= 25, first (vulkan-tools would otherwise pull the distribution's Mesa).
+# Debian 12's Mesa 22.3.6 crashes inside lavapipe on hybrid targets and on some flash-attention batches
+# (docs/BACKENDS.md); bookworm-backports carries Mesa 25.0.7 built for Debian 12's libc, so on bookworm it
+# comes from there (the other installed Mesa packages are upgraded with it).
+mesa_min=25
+mesa_version() { dpkg-query -W -f='${Status} ${Version}' mesa-vulkan-drivers 2>/dev/null | sed -n 's/^install ok installed //p'; }
+mesa=$(mesa_version)
+if [ -z "$mesa" ] || dpkg --compare-versions "$mesa" lt "$mesa_min"; then
+    suite=()
+    if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = bookworm ]; then
+        if ! apt-cache policy | grep -q "bookworm-backports/main"; then
+            echo "test_vulkan: adding Debian's bookworm-backports suite for Mesa >= $mesa_min"
+            printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+                | $sudo tee /etc/apt/sources.list.d/bookworm-backports.sources >/dev/null
+        fi
+        suite=(-t bookworm-backports)
+    fi
+    echo "test_vulkan: installing mesa-vulkan-drivers ${suite[*]:-} (installed: ${mesa:-none})"
+    $sudo apt-get update -q
+    $sudo apt-get install -y -q "${suite[@]}" mesa-vulkan-drivers
+    mesa=$(mesa_version)
+    dpkg --compare-versions "$mesa" ge "$mesa_min" \
+        || echo "test_vulkan: warning: Mesa $mesa is older than $mesa_min; lavapipe crashes are known there (docs/BACKENDS.md)" >&2
+fi
+
+# 1b. the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
+packages="libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -98,7 +123,7 @@ export DFLASH_LLAMA_CPP_SRC="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 tests=()
 while read -r line; do tests+=("$line"); done < <(grep -Ev '^[[:space:]]*(#|$)' scripts/lossless_tier.txt)  # shared with gpu_check.sh
 [ $# -eq 0 ] || tests=("$@")
-vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName" || true
+vulkaninfo --summary 2>/dev/null | grep -E "deviceName|driverName|driverInfo" || true
 start=$(date +%s)
 status=0
 PYTHONPATH="$root/tests${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -p offload_all -q "${tests[@]}" || status=$?

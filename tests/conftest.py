@@ -6,13 +6,21 @@ z-lab's reference load inside the fixtures that build checkpoints, so a test tha
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# Before anything loads libllama (libgomp reads it once): OpenMP threads that wait for work sleep instead of
+# spinning. With spinning, a model's idle thread burns a core whenever another process (a second test
+# worker, a spawned server, another job on a shared machine) wants it, and a test that decodes with two
+# threads took 5-20 times longer on a loaded 2-core machine. Results are the same either way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dflash_gguf.convert import convert_checkpoint
-from dflash_gguf.calibration_store import ENV_DIR as CALIBRATION_DIR
-from dflash_gguf.defaults import embedded_target as _embedded_target
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dflash_gguf.convert import convert_checkpoint  # noqa: E402
+from dflash_gguf.calibration_store import ENV_DIR as CALIBRATION_DIR  # noqa: E402
+from dflash_gguf.defaults import embedded_target as _embedded_target  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -22,6 +24,7 @@ from dflash_gguf.backends import gpu_devices
 
 ALL_LAYERS = 0x7FFFFFFF  # what n_gpu_layers=-1 becomes in llama-cpp-python and dflash_gguf.target
 DEVICES = pytest.StashKey[list]()  # the GPU devices found, for the report header
+MESA = pytest.StashKey["tuple[int, int, int] | None"]()  # the Mesa release of the Vulkan driver, None if not Mesa
 
 
 _load = capi.llama_model_load_from_file
@@ -66,6 +69,18 @@ def _init_without_flash_attn(model: capi.llama_model_p, params: capi.llama_conte
     return _init(model, params)
 
 
+def mesa_version() -> tuple[int, int, int] | None:
+    """The Mesa release behind the Vulkan driver (vulkaninfo's driverInfo), None without vulkaninfo or Mesa.
+
+    lavapipe's faults depend on it (docs/BACKENDS.md), so the tests that pin them ask which one runs.
+    """
+    if shutil.which("vulkaninfo") is None:
+        return None
+    out = subprocess.run(["vulkaninfo", "--summary"], capture_output=True, text=True, timeout=120).stdout
+    m = re.search(r"driverInfo\s*=\s*Mesa (\d+)\.(\d+)\.(\d+)", out)
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     devices = [d.label for d in gpu_devices()]
     if not devices:
@@ -73,6 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
             "offload_all: this libllama has no GPU device (a Vulkan build on lavapipe needs GGML_VK_VISIBLE_DEVICES=0)"
         )
     config.stash[DEVICES] = devices
+    config.stash[MESA] = mesa_version()
     capi.llama_model_load_from_file = _load_offloaded
     if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off":
         capi.llama_init_from_model = _init_without_flash_attn
@@ -80,5 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     flash = ", flash attention off" if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off" else ""
-    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{flash}"
+    mesa = config.stash[MESA]
+    driver = f", Mesa {'.'.join(map(str, mesa))}" if mesa else ""
+    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{driver}{flash}"
 

@@ -103,6 +103,29 @@ def test_disk_never_exceeds_its_budget_and_evicts_the_oldest(states, tmp_path):
     assert fresh.lookup(ctx, list(variants[0].tokens) + [7], at_least=7) is None
 
 
+def test_disk_eviction_is_least_recently_used_across_a_restart(states, tmp_path):
+    """A read refreshes an entry: the one written earlier but read since outlives a newer one left unread,
+    in the process that read it and in a restarted one (the order is the files' mtime)."""
+    ctx = context_id({"test": 1})
+    a, b, c = (Snapshot(states[8].tokens[:-1] + (t,), states[8].parts) for t in (301, 302, 303))
+    PromptCache(directory=tmp_path).store(ctx, a, supersede=False)
+    entry = next(tmp_path.glob(f"*{SUFFIX}")).stat().st_size
+    cache = PromptCache(directory=tmp_path, disk_bytes=int(entry * 2.5))
+    cache.store(ctx, b, supersede=False)
+    assert cache.lookup(ctx, list(a.tokens) + [1]).tier == "disk"  # no RAM tier: a read from disk
+    cache.store(ctx, c, supersede=False)  # one of a, b must go: b, the least recently used
+    assert cache.counters.evictions["disk"] == 1
+    restarted = PromptCache(directory=tmp_path, disk_bytes=int(entry * 2.5))
+    assert restarted.lookup(ctx, list(b.tokens) + [1], at_least=7) is None
+    for kept in (a, c):
+        assert restarted.lookup(ctx, list(kept.tokens) + [1]).snapshot.tokens == kept.tokens
+    restarted.lookup(ctx, list(c.tokens) + [1])  # now a is the least recently used
+    restarted.store(ctx, b, supersede=False)
+    assert restarted.lookup(ctx, list(a.tokens) + [1], at_least=7) is None
+    for kept in (b, c):
+        assert restarted.lookup(ctx, list(kept.tokens) + [1]).snapshot.tokens == kept.tokens
+
+
 def test_a_bad_file_is_a_miss_with_a_warning(states, tmp_path, caplog):
     ctx = context_id({"test": 1})
     PromptCache(directory=tmp_path).store(ctx, states[16])

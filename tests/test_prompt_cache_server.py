@@ -1,6 +1,7 @@
 """dflash-serve --cache-ram / --cache-dir (issue 23): a real server restarted between two requests with the same
 prefix answers the second from its disk cache, with the same reply; hits show in timings, dflash and /metrics;
-a bad size is one line and exit 2."""
+a server killed while it writes an entry leaves a temp file the next start ignores and removes; a corrupt or
+foreign file is a miss with a warning and the reply is still right; a bad size is one line and exit 2."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
+from dflash_gguf.prompt_cache import MAGIC, SUFFIX, TEMP_MARK
 from dflash_gguf.server.cli import main
 
 SERVE = [sys.executable, "-m", "dflash_gguf.server.cli"]
@@ -114,3 +117,77 @@ def test_a_restarted_server_answers_the_same_prefix_from_disk(tmp_path):
         second.stop()
     finally:
         second.kill()
+
+
+@pytest.mark.slow  # three dflash-serve processes on the embedded pair
+def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path):
+    """A real SIGKILL at a known point of a real write. An entry's file name depends only on the decoding
+    context and the tokens, so a first server, answering the request into another directory, tells its name;
+    a FIFO made at the temp name the second server will write (name + TEMP_MARK + its pid) holds that write
+    open: the test reads the entry's first bytes through it, so the server is blocked in the middle of its
+    write, and kills it there. The third start must ignore and remove what the killed writer left, and must
+    also meet a corrupt copy of the entry and a foreign file: each a miss with a warning, never a crash, and
+    the reply is the one the first server gave."""
+    reference, directory = tmp_path / "reference", tmp_path / "cache"
+    first = Server("--cache-dir", str(reference))
+    try:
+        expected = first.chat("What does mul do?")
+        first.stop()
+    finally:
+        first.kill()
+    (entry,) = reference.glob(f"*{SUFFIX}")
+    good = entry.read_bytes()
+    assert len(good) > 1 << 20  # far more than a pipe holds: the writer cannot finish while the test only reads
+
+    directory.mkdir()
+    writer = Server("--cache-dir", str(directory))
+    try:
+        fifo = directory / f"{entry.name}{TEMP_MARK}{writer.proc.pid}"
+        os.mkfifo(fifo)
+        answered: list[dict] = []
+
+        def request() -> None:
+            try:
+                answered.append(writer.chat("What does mul do?"))
+            except httpx.TransportError:
+                return  # killed mid-write: the connection drops
+            # the server answered without writing through the FIFO: end the read below (the test then fails)
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+        client = threading.Thread(target=request)
+        client.start()
+        with open(fifo, "rb") as f:  # returns once the server has opened its temp file for writing
+            head = f.read(64 << 10)
+            assert head[:4] == MAGIC, "the server did not write its entry through the temp name"
+            writer.proc.kill()  # blocked in write(): the rest of the entry never arrives
+            writer.proc.wait()
+        client.join()
+        assert not answered and fifo.exists()  # what the killed writer left
+    finally:
+        writer.kill()
+    assert [p.name for p in directory.iterdir()] == [fifo.name]
+
+    corrupt = bytearray(good)
+    corrupt[-64:] = bytes(b ^ 0xFF for b in corrupt[-64:])  # same size, so only the checksum can tell
+    (directory / entry.name).write_bytes(bytes(corrupt))
+    foreign = directory / f"{entry.name[:16]}-{'0' * 24}{SUFFIX}"  # a name of this context, another program's bytes
+    foreign.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    third = Server("--cache-dir", str(directory), "--cache-ram", "0")
+    try:
+        assert not fifo.exists()  # removed at startup: its writer is gone
+        reply = third.chat("What does mul do?")
+        assert reply["choices"][0]["message"] == expected["choices"][0]["message"]
+        assert reply["dflash"]["prompt_cache"]["tier"] is None and reply["timings"]["cache_n"] == 0
+        assert reply["dflash"]["prompt_cache"]["stored"]
+        assert 'dflash_prompt_cache_lookups_total{result="miss"} 1' in third.metrics()
+        err = third.stop()
+    finally:
+        third.kill()
+    assert f"ignoring {directory / entry.name}: checksum mismatch" in err, err
+    assert f"ignoring {foreign}: not a dflash prompt-cache file" in err, err
+    assert "Traceback" not in err
+    # the entry the third server wrote replaced the corrupt one (the same state bytes as the first server's;
+    # only the header's creation time differs), and no temp file is left
+    assert sorted(p.name for p in directory.iterdir()) == sorted([entry.name, foreign.name])
+    rewritten = (directory / entry.name).read_bytes()
+    assert len(rewritten) == len(good) and rewritten[-(1 << 20):] == good[-(1 << 20):]
