@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_gguf import Session
@@ -63,6 +64,7 @@ def agent_prompt(session: Session, n_tokens: int) -> list[int]:
 # then shares up to the question (the next run restores that), so every run asks its own
 QUESTIONS = ["And Session.fork?", "And what does close do?", "Which locks does it take?", "Where is last_stats set?",
              "Is reset thread-safe?"]
+MARKS = ["One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten"]  # --catch-up: per run
 QUESTION = ("<|im_end|>\n<|im_start|>user\nNow a different task. Write a function that parses a size such as "
             "512MiB or 2GiB into bytes, with tests for each unit, and explain the edge cases you handle: an empty "
             "string, a negative number, an unknown unit, a fraction, whitespace around the number and the unit, "
@@ -73,12 +75,12 @@ def load() -> str:
     return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def ttft(session: Session, tokens: list[int], max_tokens: int) -> tuple[float, list[int], dict | None]:
+def ttft(session: Session, tokens: list[int], args: argparse.Namespace) -> tuple[float, list[int], dict | None]:
     """Seconds to the first token, the reply's tokens, what the prompt cache did."""
     t0 = time.perf_counter()
     first = None
     reply = []
-    for step in session.stream_tokens(tokens, max_tokens=max_tokens):
+    for step in session.stream_tokens(tokens, max_tokens=args.max_tokens, block_size=args.block_size):
         if first is None:
             first = time.perf_counter() - t0
         reply += step.tokens
@@ -101,6 +103,8 @@ def main() -> None:
     p.add_argument("--drafter", type=Path)
     p.add_argument("--tokens", type=int, default=3000, help="turn-1 prompt length (default 3000)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, help="fixed blocks (default: adaptive, whose choices follow measured "
+                   "timings, so under load two runs may verify in other batches and part at a near tie)")
     p.add_argument("--n-ctx", type=int, help="default: room for the longest prompt and reply, rounded up to a multiple of 1024")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv", default="f16", help="KV cache type of target and drafter (f16, q8_0, q4_0)")
@@ -112,8 +116,9 @@ def main() -> None:
     p.add_argument("--turn2", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.reps = args.reps if args.reps is not None else 3 if args.catch_up else 1
-    if args.reps < 1 or (not args.catch_up and args.reps > len(QUESTIONS)):
-        p.error(f"--reps must be between 1 and {len(QUESTIONS)} (any number >= 1 with --catch-up)")
+    most = len(MARKS) // 2 if args.catch_up else len(QUESTIONS)
+    if not 1 <= args.reps <= most:
+        p.error(f"--reps must be between 1 and {most}")
     longest = max(args.catch_up or [args.tokens]) + 512  # the prompt, a second turn or question, the replies
     args.n_ctx = args.n_ctx or -(-longest // 1024) * 1024
 
@@ -122,7 +127,7 @@ def main() -> None:
         return
     if args.phase == "disk":  # the restarted process: a cache with only the directory
         with open_session(args, PromptCache(directory=args.dir)) as s:
-            print(json.dumps(ttft(s, json.loads(args.turn2.read_text()), args.max_tokens)))
+            print(json.dumps(ttft(s, json.loads(args.turn2.read_text()), args)))
         return
 
     directory = Path(tempfile.mkdtemp(prefix="dflash-pc-"))
@@ -130,7 +135,7 @@ def main() -> None:
         cache = PromptCache(ram_bytes=8 << 30, directory=directory, disk_bytes=16 << 30)
         with open_session(args, cache) as s:
             turn1 = agent_prompt(s, args.tokens)
-            t1, reply1, _ = ttft(s, turn1, args.max_tokens)  # stores prompt + reply
+            t1, reply1, _ = ttft(s, turn1, args)  # stores prompt + reply
             turns = [turn1 + reply1 + s.tokenize(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
                                                  add_special=False) for q in QUESTIONS[: args.reps]]
         print(f"turn 1: {len(turn1)} tokens (TTFT {t1:.2f} s, stored); turn 2: {len(turns[0])} tokens; KV {args.kv}; "
@@ -141,17 +146,17 @@ def main() -> None:
         best = {"cold": [], "ram": [], "disk": []}
         for i, turn2 in enumerate(turns):
             with open_session(args, None) as s:
-                cold, reply_cold, _ = ttft(s, turn2, args.max_tokens)
+                cold, reply_cold, _ = ttft(s, turn2, args)
                 cold_prefill = s.last_stats.prefill_s
             disk, reply_disk, event_disk = restarted(args, directory, turn2)
             with open_session(args, cache) as s:  # another Session sharing the cache: a slot of the same server
-                ram, reply_ram, event_ram = ttft(s, turn2, args.max_tokens)
+                ram, reply_ram, event_ram = ttft(s, turn2, args)
             for k, v in (("cold", cold), ("ram", ram), ("disk", disk)):
                 best[k].append(v)
             print(f"| {i + 1} | {cold:.3f} ({cold_prefill:.3f}) | {ram:.3f} | {100 * ram / cold:.1f}% | {disk:.3f} | "
                   f"{100 * disk / cold:.1f}% | {event_ram['n_restored']} / {event_disk['n_restored']} | "
                   f"{event_ram['restore_ms']:.0f} / {event_disk['restore_ms']:.0f} | "
-                  f"{reply_cold == reply_ram == reply_disk} | {load()[len('load average '):]} |", flush=True)
+                  f"{same(reply_cold, reply_ram, reply_disk)} | {load()[len('load average '):]} |", flush=True)
             if event_ram["tier"] != "ram" or event_disk["tier"] != "disk":
                 raise SystemExit(f"expected a RAM and a disk hit, got {event_ram} and {event_disk}")
         cold, ram, disk = (min(best[k]) for k in ("cold", "ram", "disk"))
@@ -161,6 +166,18 @@ def main() -> None:
         print(f"entry size: {per_token / 1024:.1f} KiB per cached token (target + drafter state)")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def same(cold: list[int], ram: list[int], disk: list[int]) -> str:
+    """'yes', or where each warm reply first parts from the cold one."""
+    if cold == ram == disk:
+        return "yes"
+
+    def parts(a: list[int], b: list[int]) -> str:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return "same" if a == b else f"token {i}"
+
+    return f"NO: RAM {parts(cold, ram)}, disk {parts(cold, disk)}"
 
 
 def restarted(args: argparse.Namespace, directory: Path, turn2: list[int]) -> tuple[float, list[int], dict]:
@@ -173,6 +190,7 @@ def restarted(args: argparse.Namespace, directory: Path, turn2: list[int]) -> tu
         cmd = [sys.executable, __file__, "--phase", "disk", "--dir", str(restart), "--turn2", str(saved),
                "--max-tokens", str(args.max_tokens), "--n-ctx", str(args.n_ctx), "--threads", str(args.threads),
                "--kv", args.kv]
+        cmd += ["--block-size", str(args.block_size)] if args.block_size else []
         cmd += ["--target", str(args.target)] if args.target else []
         cmd += ["--drafter", str(args.drafter)] if args.drafter else []
         return tuple(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
@@ -184,13 +202,14 @@ def catch_up(args: argparse.Namespace) -> None:
     """Restore N tokens and prefill a fixed question after them, speculatively and plainly, interleaved
     --reps times for each N (the fastest of each kept: load only adds). The Ns are prefixes of one prompt,
     so one Session prefills the longest only once (each shorter prefix's state is stored and measured
-    before the next, longer one supersedes it)."""
+    before the next, longer one supersedes it). The drafter's inject calls are recorded: the rows it was
+    given and where, which is what makes the catch-up linear (only the new tokens) or quadratic (all)."""
     longest = max(args.catch_up)
     print(f"n_ctx {args.n_ctx}, {args.threads} threads, KV {args.kv}, fastest of {args.reps} interleaved runs; "
           f"{load()}")
     print("| restored N | restore ms | question prefill, speculative s | plain s | drafter inject s | "
-          "inject ms per 1k restored | load |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "rows injected (at position) | load |")
+    print("| ---: | ---: | ---: | ---: | ---: | --- | --- |")
     with open_session(args, PromptCache(ram_bytes=8 << 30)) as s:
         prompt = agent_prompt(s, int(longest * 1.04) + 64)  # it comes out a few % under what is asked
         question = s.tokenize(QUESTION, add_special=False)
@@ -200,39 +219,56 @@ def catch_up(args: argparse.Namespace) -> None:
             prefix = prompt[:n]
             for _ in s.stream_tokens(prefix, max_tokens=1):  # stores the state after the prefix (and a token)
                 pass
-            runs: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
-            for _ in range(args.reps):
+            runs: dict[bool, list[Run]] = {True: [], False: []}
+            for i in range(args.reps):
                 for speculative in (True, False):
+                    # the forks share the cache and a speculative run stores its prompt: the next run's prompt
+                    # must not extend it (it would restore the question too), so each run's question is its own
+                    # from the first token
+                    asked = s.tokenize(f" {MARKS[2 * i + speculative]}:", add_special=False) + question
                     with s.fork() as other:
-                        runs[speculative].append(warm_prefill(other, prefix + question, n, speculative))
-            restore = min(r[0] for r in runs[True] + runs[False])
-            spec, plain = min(r[1] for r in runs[True]), min(r[1] for r in runs[False])
-            inject = min(r[2] for r in runs[True])
-            print(f"| {n} | {restore:.0f} | {spec:.3f} | {plain:.3f} | {inject:.3f} | {inject * 1e6 / n:.1f} | "
+                        runs[speculative].append(warm_prefill(other, prefix + asked, n, speculative))
+            spec = min(runs[True], key=lambda r: r.prefill_s)
+            plain = min(r.prefill_s for r in runs[False])
+            restore = min(r.restore_ms for r in runs[True] + runs[False])
+            calls = " / ".join(sorted({", ".join(f"{k} ({p})" for k, p in r.injected) or "none" for r in runs[True]}))
+            if any(r.injected for r in runs[False]):
+                calls += "; plain runs injected too: " + str([r.injected for r in runs[False]])
+            print(f"| {n} | {restore:.0f} | {spec.prefill_s:.3f} | {plain:.3f} | {spec.inject_s:.3f} | {calls} | "
                   f"{load()[len('load average '):]} |", flush=True)
-    print(f"question: {len(question)} tokens")
+    print(f"question: {len(question)} tokens, after a word of each run's own (a token or two)")
 
 
-def warm_prefill(session: Session, tokens: list[int], n_restored: int, speculative: bool) -> tuple[float, float, float]:
-    """(restore ms, prefill s, seconds in the drafter's inject) of one generation that must restore n_restored."""
-    injected = [0.0]
+@dataclass
+class Run:
+    restore_ms: float
+    prefill_s: float
+    inject_s: float  # in the drafter's inject (part of prefill_s)
+    injected: list[tuple[int, int]]  # (rows, first position) of each inject call
+
+
+def warm_prefill(session: Session, tokens: list[int], n_restored: int, speculative: bool) -> Run:
+    """One generation of one token that must restore n_restored tokens from the RAM tier."""
+    run = Run(0.0, 0.0, 0.0, [])
     drafter = session.drafter
     inject = drafter.inject
 
-    def timed_inject(*a, **kw):
+    def recorded_inject(features, positions):
         t0 = time.perf_counter()
         try:
-            return inject(*a, **kw)
+            return inject(features, positions)
         finally:
-            injected[0] += time.perf_counter() - t0
+            run.inject_s += time.perf_counter() - t0
+            run.injected.append((len(features), int(positions)))
 
-    drafter.inject = timed_inject  # this fork's drafter only
+    drafter.inject = recorded_inject  # this fork's drafter only
     for _ in session.stream_tokens(tokens, max_tokens=1, speculative=speculative):
         pass
     stats = session.last_stats
-    if stats.prompt_cache.tier != "ram" or stats.n_cached_tokens < n_restored:
+    if stats.prompt_cache.tier != "ram" or stats.n_cached_tokens != n_restored:
         raise SystemExit(f"expected a RAM hit of {n_restored} tokens, got {stats.prompt_cache}")
-    return stats.prompt_cache.restore_ms, stats.prefill_s, injected[0]
+    run.restore_ms, run.prefill_s = stats.prompt_cache.restore_ms, stats.prefill_s
+    return run
 
 
 if __name__ == "__main__":

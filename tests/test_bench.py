@@ -88,8 +88,12 @@ def test_advice_only_for_weight_types_without_repacked_kernels(embedded_target, 
     assert kernels.kernel_advice(q8) is None
 
 
-@pytest.mark.slow  # times batches, teacher-forces every built-in prompt three times, generates
-def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path) -> None:
+@pytest.mark.slow  # times batches, teacher-forces built-in prompts three times, generates
+def test_kernel_measurement_reports_every_size(embedded_target, dflash_gguf_path, monkeypatch) -> None:
+    # the agreements teacher-force one built-in prompt per category, not all 30 (most of this test's time):
+    # the same code over fewer rows
+    agreement_texts = [p.prompt for p in load_suite(limit=1)]
+    monkeypatch.setattr(kernels, "_agreement_texts", lambda: agreement_texts)
     report = kernels.measure(
         {"Q4_1 (as shipped)": embedded_target}, sizes=(1, 4), repeats=2, n_threads=2, generate_tokens=4,
         drafter=dflash_gguf_path,
