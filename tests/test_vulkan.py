@@ -40,6 +40,8 @@ def test_target_and_drafter_have_every_layer_on_the_device(embedded_target):
 # (libvulkan_lvp.so) during the first 16-token verify decode, with flash attention on; without flash
 # attention, or without the plain generation first, the same run completes. Not in this project's code:
 # the batch reaching llama_decode is validated, and the fault is in the driver executing ggml's commands.
+# On Mesa 25.0.7 (bookworm-backports, what scripts/test_vulkan.sh installs) the same case completes, its
+# block-16 output identical to the plain one (docs/BACKENDS.md), so the pin holds for older Mesa only.
 CRASH_CASE = """
 import sys
 from dflash_gguf import Session
@@ -53,13 +55,15 @@ with Session(n_gpu_layers=-1, flash_attn=sys.argv[1] == "on") as s:
 def test_a_block_16_generation_after_a_plain_one(request, flash_attn):
     """Run in a child process, so that the segfault is a return code, not the end of the test run.
 
-    On lavapipe the flash-attention run is pinned as the crash it is: when a driver or ggml fix ends it,
-    this fails and the pin (and the advice to turn flash attention off there) can go.
+    On lavapipe before Mesa 25 the flash-attention run is pinned as the crash it is; from Mesa 25 on it
+    must complete, as every other backend's does.
     """
-    from offload_all import DEVICES
+    from offload_all import DEVICES, MESA
 
     done = subprocess.run([sys.executable, "-c", CRASH_CASE, flash_attn], capture_output=True, text=True, timeout=3600)
-    if flash_attn == "on" and any("llvmpipe" in d for d in request.config.stash[DEVICES]):
-        assert done.returncode == -signal.SIGSEGV, f"exit {done.returncode}: lavapipe no longer crashes here, drop the pin"
+    mesa = request.config.stash[MESA]
+    old_lavapipe = any("llvmpipe" in d for d in request.config.stash[DEVICES]) and mesa is not None and mesa < (25,)
+    if flash_attn == "on" and old_lavapipe:
+        assert done.returncode == -signal.SIGSEGV, f"exit {done.returncode}: Mesa {mesa} no longer crashes here, move the pin"
     else:
         assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
