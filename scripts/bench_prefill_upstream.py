@@ -4,8 +4,10 @@ Prefill is what an agent's user waits for on a long prompt, so ours must run as 
 Both sides get the same token ids (an agent-style prompt from bench_prompt_cache.py), n_batch = n_ubatch,
 flash attention on, and are measured interleaved (ours, theirs, ours, ...) after one warm-up each, so that
 machine load hits both alike. Ours is `prefill_s` of a plain Session after reset() (target only: the same
-work llama-server does); upstream's is `timings.prompt_ms` of a /completion with cache_prompt off. A second
-figure is ours with the drafter, whose prefill also captures the target's features and fills the drafter.
+work llama-server does); upstream's is `timings.prompt_ms` of a /completion with cache_prompt off. The second
+pair runs the drafter on both sides: our Session with it, and a llama-server given it (`-md`, upstream's
+draft-dflash), whose prefill also feeds every batch's target features into the drafter's KV cache
+(common_speculative_process after each batch, inside prompt_ms): the same work our prefill does.
 
     python scripts/bench_prefill_upstream.py --server /path/to/llama-server --tokens 8000 --n-ctx 8192
 
@@ -47,10 +49,13 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def start_server(args: argparse.Namespace, target: Path, port: int) -> subprocess.Popen:
-    cmd = [str(args.server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(args.threads), "-tb", str(args.threads), "-c", str(args.n_ctx), "-b", str(args.n_batch),
-           "-ub", str(args.n_batch), "-fa", "on", "-np", "1", "--no-webui", "--cache-ram", "0", *args.server_arg]
+def start_server(args: argparse.Namespace, target: Path, port: int, drafter: Path | None = None) -> subprocess.Popen:
+    threads = ["-t", str(args.threads), "-tb", str(args.threads)]
+    draft = [] if drafter is None else ["-md", str(drafter), "--spec-type", "draft-dflash",
+                                        "-td", str(args.threads), "-tbd", str(args.threads)]
+    cmd = [str(args.server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), *threads, *draft,
+           "-c", str(args.n_ctx), "-b", str(args.n_batch), "-ub", str(args.n_batch), "-fa", "on", "-np", "1",
+           "--no-webui", "--cache-ram", "0", *args.server_arg]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -89,7 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--server", type=Path, required=True, help="a llama-server binary")
     p.add_argument("--target", type=Path, help="default: the embedded SmolLM2 target")
-    p.add_argument("--drafter", type=Path, help="default: the embedded drafter (for the second figure)")
+    p.add_argument("--drafter", type=Path, help="default: the embedded drafter (for the second pair)")
     p.add_argument("--tokens", type=int, default=10000)
     p.add_argument("--n-ctx", type=int, default=12288)
     p.add_argument("--n-batch", type=int, default=512)
@@ -98,32 +103,41 @@ def main() -> None:
     p.add_argument("--server-arg", action="append", default=[], help="one more llama-server argument (repeatable)")
     args = p.parse_args()
     target = args.target or defaults.embedded_target()
-    drafter = args.drafter or (None if args.target else defaults.embedded_drafter())
+    drafter = args.drafter or defaults.embedded_drafter()
+    if args.target and not args.drafter:
+        p.error("--target needs --drafter: the second pair runs the drafter on both sides")
     kw = dict(n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.threads, flash_attn=True)
 
-    port = free_port()
-    server = start_server(args, target, port)
+    port, draft_port = free_port(), free_port()
+    servers = [start_server(args, target, port), start_server(args, target, draft_port, drafter)]
     try:
         with Session(target, lookup=False, **kw) as plain, Session(target, drafter, **kw) as spec:
             spec.generate("Hello.", max_tokens=4)  # the drafter's cost calibration, outside every timing
             tokens = agent_prompt(plain, args.tokens)
-            ours, theirs, with_drafter = [], [], []
-            our_prefill_s(plain, tokens), upstream_prefill_s(port, tokens), our_prefill_s(spec, tokens)  # warm-up
+            runs = {
+                "upstream llama-server": lambda: upstream_prefill_s(port, tokens),
+                "ours, target only": lambda: our_prefill_s(plain, tokens),
+                "upstream, with the drafter": lambda: upstream_prefill_s(draft_port, tokens),
+                "ours, with the drafter": lambda: our_prefill_s(spec, tokens),
+            }
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for name, run in runs.items():  # warm-up
+                run()
             for _ in range(args.reps):
-                ours.append(our_prefill_s(plain, tokens))
-                theirs.append(upstream_prefill_s(port, tokens))
-                with_drafter.append(our_prefill_s(spec, tokens))
+                for name, run in runs.items():
+                    times[name].append(run())
     finally:
-        server.terminate()
-        server.wait(30)
-    med = statistics.median
+        for server in servers:
+            server.terminate()
+            server.wait(30)
+    med = {name: statistics.median(t) for name, t in times.items()}
     print(f"prompt: {len(tokens)} tokens; {args.threads} threads, n_batch = n_ubatch = {args.n_batch}, "
           f"flash attention on; {args.reps} interleaved runs each (median; all runs in seconds)")
-    print(f"upstream llama-server       {med(theirs):8.3f} s  {[round(x, 3) for x in theirs]}")
-    print(f"ours, target only           {med(ours):8.3f} s  {[round(x, 3) for x in ours]}")
-    print(f"ours, with the drafter      {med(with_drafter):8.3f} s  {[round(x, 3) for x in with_drafter]}")
-    print(f"ratio (upstream time / ours): target only {med(theirs) / med(ours):.3f}, "
-          f"with the drafter {med(theirs) / med(with_drafter):.3f}")
+    for name, t in times.items():
+        print(f"{name:28s}{med[name]:8.3f} s  {[round(x, 3) for x in t]}")
+    print(f"ratio (upstream time / ours): target only {med['upstream llama-server'] / med['ours, target only']:.3f}, "
+          f"both with the drafter {med['upstream, with the drafter'] / med['ours, with the drafter']:.3f}, "
+          f"ours with the drafter against upstream without {med['upstream llama-server'] / med['ours, with the drafter']:.3f}")
 
 
 if __name__ == "__main__":
