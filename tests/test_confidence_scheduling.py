@@ -27,7 +27,7 @@ def _steps(session: Session, prompt: str, **gen) -> list:
 @pytest.mark.parametrize("name", ["anchor", "bonus"])
 def test_a_threshold_verifies_fewer_tokens_and_keeps_the_output(dspark, name, plain_texts):
     _, out = dspark(name)
-    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2, lookup=False) as s:
+    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=1, lookup=False) as s:
         uncut = {p: _steps(s, p, block_size=BLOCK) for p in PROMPTS}
         conf = np.concatenate([st.confidences for steps in uncut.values() for st in steps if st.confidences])
         threshold = float(np.median(conf))  # cuts about half of the drafts of these random weights
@@ -46,7 +46,7 @@ def test_a_threshold_verifies_fewer_tokens_and_keeps_the_output(dspark, name, pl
 @pytest.mark.slow  # adaptive generation: measures the verify costs first
 def test_adaptive_scheduling_keeps_the_output(dspark, plain_texts):
     _, out = dspark("anchor")
-    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2, lookup=False) as s:
+    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=1, lookup=False) as s:
         for prompt, plain in zip(PROMPTS, plain_texts):
             assert s.generate(prompt, max_tokens=MAX_TOKENS).tokens == plain
             assert s.generate(prompt, max_tokens=MAX_TOKENS, confidence_threshold=0.9).tokens == plain
@@ -54,7 +54,7 @@ def test_adaptive_scheduling_keeps_the_output(dspark, plain_texts):
 
 def test_an_anchor_first_block_drafts_all_its_slots(dspark):
     _, out = dspark("anchor")
-    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2, lookup=False) as s:
+    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=1, lookup=False) as s:
         steps = _steps(s, PROMPTS[0], block_size=4)
     assert max(st.n_drafted for st in steps) == 4  # slot 0 predicts: a block of 4 drafts 4 (bonus anchor: 3)
 

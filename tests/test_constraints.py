@@ -34,7 +34,7 @@ ASK = [{"role": "user", "content": "Give me a JSON object describing a person na
 
 @pytest.fixture(scope="module")
 def pair():
-    with Session(n_ctx=1024, n_threads=2) as s:
+    with Session(n_ctx=1024, n_threads=1) as s:
         yield s
 
 
@@ -42,7 +42,7 @@ def pair():
 def lookup_only(embedded_target):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with Session(embedded_target, n_ctx=1024, n_threads=2) as s:
+        with Session(embedded_target, n_ctx=1024, n_threads=1) as s:
             yield s
 
 

@@ -191,7 +191,7 @@ def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, 
     from dflash_gguf.target import Target
     from dflash_gguf.timing import calibrate
 
-    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as target:
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as target:
         with Drafter(dflash_gguf_path, target) as drafter:
             prompt = target.tokenize("The capital of France is")
             target.decode(prompt, 0, logits="last")

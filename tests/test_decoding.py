@@ -16,7 +16,7 @@ SOURCES = (TokenSource.PLAIN, TokenSource.DRAFT, TokenSource.BONUS)
 
 @pytest.fixture(scope="module")
 def target(embedded_target):
-    with Target.open(embedded_target, n_ctx=256, n_batch=32, n_threads=2) as t:
+    with Target.open(embedded_target, n_ctx=256, n_batch=32, n_threads=1) as t:
         yield t
 
 

@@ -19,7 +19,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def target(embedded_target):
-    t = Target.open(embedded_target, n_ctx=512, n_batch=64, n_threads=2)
+    t = Target.open(embedded_target, n_ctx=512, n_batch=64, n_threads=1)
     yield t
     t.close()
 

@@ -60,7 +60,7 @@ class Built:
 
 @pytest.fixture(scope="module")
 def target(embedded_target):
-    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as t:
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as t:
         yield t
 
 
@@ -207,7 +207,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 @pytest.fixture(scope="module")
 def plain_texts(embedded_target):
-    with Session(n_ctx=256, n_batch=64, n_threads=2) as s:
+    with Session(n_ctx=256, n_batch=64, n_threads=1) as s:
         return [s.generate(p, max_tokens=24, temperature=0.0, speculative=False).tokens for p in PROMPTS]
 
 
@@ -215,7 +215,7 @@ def plain_texts(embedded_target):
 @pytest.mark.parametrize("name", ["anchor", "bonus", "reduced"])
 def test_greedy_session_equals_plain_decoding(dspark, name, plain_texts):
     _, out = dspark(name)
-    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2) as s:
+    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=1) as s:
         for prompt, plain in zip(PROMPTS, plain_texts):
             result = s.generate(prompt, max_tokens=24, temperature=0.0, block_size=BLOCK)
             assert result.tokens == plain, prompt
@@ -231,13 +231,13 @@ def test_sampled_session_follows_the_target_distribution(dspark, embedded_target
 
     _, out = dspark("anchor")
     params = SamplingParams(temperature=1.0)
-    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=2) as s:
+    with Session(drafter=out, n_ctx=256, n_batch=64, n_threads=1) as s:
         # the first token comes from the prefill, the second from a cycle that drafts one token (max_tokens
         # leaves room for one draft) and accepts or resamples it against the drafter's q
         runs = [s.generate(PROMPT, max_tokens=3, temperature=1.0, seed=seed, block_size=2) for seed in range(240)]
     assert sum(r.stats.n_drafted for r in runs) >= 240
     pairs = [r.tokens for r in runs]
-    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as ref:
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as ref:
         prompt = ref.tokenize(PROMPT)
         first = [p[0] for p in pairs]
         assert chi_square_p_value(first, next_token_probs(ref, prompt, params)) > ALPHA

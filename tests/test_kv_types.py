@@ -46,7 +46,7 @@ def test_a_quantized_state_is_smaller(embedded_target):
 @pytest.mark.slow  # a Session of the embedded pair per KV type, each calibrating its drafter
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 def test_greedy_speculative_equals_plain_at_the_same_kv_type(kv):
-    with Session(n_ctx=512, n_threads=2, type_k=kv, type_v=kv) as s:
+    with Session(n_ctx=512, n_threads=1, type_k=kv, type_v=kv) as s:
         assert (s.target.type_k, s.drafter.type_k, s.drafter.type_v) == (kv, kv, kv)
         spec = s.generate(PROMPT, max_tokens=48, block_size=4)  # fixed: every cycle drafts
         s.reset()

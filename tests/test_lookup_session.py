@@ -86,8 +86,8 @@ PROMPT = "The capital of France is Paris. The capital of France is"
 def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
     """Block 2: the token after the first is always a lookup draft (slot 1 of the first cycle) when the first token repeats the prompt's."""
     params = SamplingParams(temperature=1.0)
-    with Session(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as s, \
-            Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as reference:
+    with Session(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as s, \
+            Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as reference:
         runs = [s.generate(PROMPT, max_tokens=3, temperature=1.0, seed=seed, block_size=2) for seed in range(160)]
         prompt = reference.tokenize(PROMPT)
         paris = reference.tokenize(" Paris", add_special=False)[0]

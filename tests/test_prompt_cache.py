@@ -225,7 +225,7 @@ def run_tokens(session: Session, tokens: list[int], **gen) -> tuple[list[int], o
 def test_a_restored_prefix_decodes_as_a_cold_prefill_from_ram_and_from_disk(tmp_path):
     """Greedy, speculative (fixed blocks: every cycle drafts): the reply after restoring the state equals the
     reply after a cold prefill."""
-    kw = dict(n_ctx=1024, n_threads=2)
+    kw = dict(n_ctx=1024, n_threads=1)
     cache = PromptCache(ram_bytes=1 << 30, directory=tmp_path)
     with Session(prompt_cache=cache, **kw) as first:
         cold = first.generate(AGENT, max_tokens=24, block_size=4)

@@ -35,20 +35,20 @@ GREEDY = [
 
 @pytest.fixture(scope="module")
 def random_drafter(dflash_gguf_path):
-    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def trained(embedded_target):
-    with Session(n_ctx=N_CTX, n_batch=64, n_threads=2) as s:  # the embedded pair
+    with Session(n_ctx=N_CTX, n_batch=64, n_threads=1) as s:  # the embedded pair
         assert s.drafter is not None
         yield s
 
 
 @pytest.fixture(scope="module")
 def lookup(embedded_target):
-    with Session(embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    with Session(embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=1) as s:
         assert s.lookup and s.drafter is None
         yield s
 
@@ -56,7 +56,7 @@ def lookup(embedded_target):
 @pytest.fixture(scope="module")
 def plain(embedded_target):
     """A separate plain Target: exact rows to compare with."""
-    with Target.open(embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=2) as t:
+    with Target.open(embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=1) as t:
         yield t
 
 
@@ -86,7 +86,7 @@ def test_the_settings_change_the_output(trained):
 
 def llama_penalised_greedy(path, prompt: str, n: int, **penalties) -> list[int]:
     """llama-cpp-python's own greedy decoding with its penalties sampler (last 64 sampled tokens)."""
-    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=64, n_threads=2, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=N_CTX, n_batch=64, n_threads=1, flash_attn=True, verbose=False)
     try:
         out = []
         vocab = llama_cpp.llama_model_get_vocab(llm.model)

@@ -74,7 +74,7 @@ class CountingMemory(KVTruncation):
 
 @pytest.fixture(scope="module")
 def target(embedded_target):
-    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as t:
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as t:
         yield t
 
 

@@ -24,14 +24,14 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def session(dflash_gguf_path):
-    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def llama(embedded_target):
     llm = llama_cpp.Llama(
-        str(embedded_target), n_ctx=N_CTX, n_batch=64, n_threads=2, flash_attn=True, verbose=False
+        str(embedded_target), n_ctx=N_CTX, n_batch=64, n_threads=1, flash_attn=True, verbose=False
     )
     yield llm
     llm.close()
@@ -57,7 +57,7 @@ def test_greedy_equals_plain_llama_token_for_token(session, llama, prompt):
 
 
 def test_greedy_with_dflash2_equals_plain_llama(dflash2_gguf_path, llama):
-    with Session(drafter=dflash2_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash2_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as s:
         for prompt in PROMPTS[:2]:
             r = s.generate(prompt, max_tokens=16, block_size=8)
             assert r.tokens == llama_greedy(llama, prompt, 16)
@@ -181,7 +181,7 @@ def test_create_chat_completion_has_llama_cpp_shapes(session, llama):
 
 
 def test_from_llama_wraps_an_existing_llama(embedded_target, dflash_gguf_path):
-    llm = llama_cpp.Llama(str(embedded_target), n_ctx=N_CTX, n_batch=64, n_threads=2, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(str(embedded_target), n_ctx=N_CTX, n_batch=64, n_threads=1, flash_attn=True, verbose=False)
     try:
         before = llm.create_completion(PROMPTS[3], max_tokens=12, temperature=0.0)["choices"][0]["text"]
         with Session.from_llama(llm, drafter=dflash_gguf_path) as s:
@@ -203,7 +203,7 @@ def test_seeded_sampling_is_reproducible(session):
 
 
 def test_context_limit_ends_with_length_and_never_overflows(embedded_target, dflash_gguf_path):
-    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1) as s:
         prompt = "one two three four " * 60
         n_prompt = len(s.target.tokenize(prompt))
         assert 230 < n_prompt < 256
@@ -253,18 +253,18 @@ def test_bad_prompts_and_messages(session):
 
 def test_bad_files_raise_before_anything_runs(tmp_path, embedded_target):
     with pytest.raises(FileNotFoundError):
-        Session(target=tmp_path / "missing.gguf", n_ctx=256, n_threads=2)
+        Session(target=tmp_path / "missing.gguf", n_ctx=256, n_threads=1)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ValueError, match="could not load"):
-        Session(target=junk, n_ctx=256, n_threads=2)
+        Session(target=junk, n_ctx=256, n_threads=1)
     with pytest.raises(PairingError, match="not a 'dflash' drafter"):
-        Session(target=embedded_target, drafter=embedded_target, n_ctx=256, n_threads=2)
+        Session(target=embedded_target, drafter=embedded_target, n_ctx=256, n_threads=1)
 
 
 def test_a_session_without_drafter_decodes_plainly_with_a_warning(embedded_target, llama):
     """With lookup off (without a drafter it is on by default: tests/test_lookup_session.py)."""
-    with Session(target=embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=2, lookup=False) as s:
+    with Session(target=embedded_target, n_ctx=N_CTX, n_batch=64, n_threads=1, lookup=False) as s:
         with pytest.warns(UserWarning, match="no drafter"):
             r = s.generate(PROMPTS[0], max_tokens=8)
         assert r.tokens == llama_greedy(llama, PROMPTS[0], 8) and not r.stats.speculative
@@ -284,9 +284,9 @@ def test_the_drafter_goes_where_the_target_goes_unless_told_otherwise(embedded_t
     """n_gpu_layers_draft (upstream's -ngld): by default the drafter is offloaded as far as the target, forks too."""
     from dflash_gguf.defaults import embedded_drafter
 
-    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=2, n_gpu_layers=3) as s:
+    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=1, n_gpu_layers=3) as s:
         with s.fork() as other:
             assert s.drafter.n_gpu_layers == 3 == other.drafter.n_gpu_layers
-    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=2, n_gpu_layers=3,
+    with Session(embedded_target, embedded_drafter(), n_ctx=256, n_threads=1, n_gpu_layers=3,
                  n_gpu_layers_draft=0) as s:
         assert s.drafter.n_gpu_layers == 0 and s.target.n_gpu_layers == 3

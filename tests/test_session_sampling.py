@@ -23,14 +23,14 @@ ALPHA = 1e-3
 
 @pytest.fixture(scope="module")
 def session(dflash_gguf_path):
-    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def reference(embedded_target):
     """A separate plain Target: the exact next-token distribution to compare against."""
-    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=2) as t:
+    with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as t:
         yield t
 
 

@@ -12,7 +12,7 @@ TURN = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def session(dflash_gguf_path):
-    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=2) as s:
+    with Session(drafter=dflash_gguf_path, n_ctx=N_CTX, n_batch=64, n_threads=1) as s:
         yield s
 
 

@@ -13,7 +13,7 @@ LAYERS = [2, 9, 16, 23, 28]
 
 @pytest.fixture(scope="module")
 def target():
-    t = Target.open(embedded_target(), n_ctx=512, n_batch=64, n_seq_max=2, n_threads=2)
+    t = Target.open(embedded_target(), n_ctx=512, n_batch=64, n_seq_max=2, n_threads=1)
     t.capture(LAYERS)
     yield t
     t.close()
@@ -176,7 +176,7 @@ def test_bad_capture_requests(fresh):
 
 
 def test_features_before_any_decode_is_refused():
-    with Target.open(embedded_target(), n_ctx=64, n_batch=8, n_threads=2) as t:
+    with Target.open(embedded_target(), n_ctx=64, n_batch=8, n_threads=1) as t:
         t.capture([1])
         with pytest.raises(RuntimeError, match="decode"):
             t.features(1)

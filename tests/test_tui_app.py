@@ -38,7 +38,7 @@ SHORT_PROMPT = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def session(dflash_gguf_path):
-    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=2) as s:
+    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=1) as s:
         yield s
 
 
@@ -374,7 +374,7 @@ COPY_PROMPT = (
 def test_lookup_next_to_the_drafter_colours_copied_tokens_and_counts_them(dflash_gguf_path) -> None:
     """--lookup: n-gram lookup drafts next to the drafter; a copy-heavy reply shows lookup's own colour and
     its acceptance in the stats panel."""
-    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=2, lookup=True) as both:
+    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=1, lookup=True) as both:
         app = ChatApp(both, options(max_tokens=48, block_size=8))  # fixed: adaptive lookup drafts only where it pays
 
         async def scenario(pilot: Pilot) -> None:
@@ -402,7 +402,7 @@ def test_a_dspark_drafter_is_named_and_its_confidence_head_set_against_acceptanc
     """The panel names the drafter's kind, and for a DSpark confidence head shows the mean predicted
     confidence against the observed acceptance: dflash_gguf.stats' Calibration, the Session's own figure."""
     _, gguf = dspark("anchor")  # a reference-built DSpark checkpoint with a confidence head
-    with Session(None, gguf, n_ctx=1024, n_threads=2) as session:
+    with Session(None, gguf, n_ctx=1024, n_threads=1) as session:
         app = ChatApp(session, options(max_tokens=16))
 
         async def scenario(pilot: Pilot) -> None:
@@ -472,7 +472,7 @@ def test_a_reply_one_chat_stores_is_a_disk_hit_in_the_next_and_the_panel_shows_i
     """--cache-dir: the first chat (its Session in a worker process, the cache opened there) misses and stores;
     a second chat on a fresh Session and the same directory restores the same prompt from disk, and the panel
     shows what the Session's own stats say (issue 23)."""
-    spec = SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=2), CacheOptions(cache_dir=tmp_path))
+    spec = SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=1), CacheOptions(cache_dir=tmp_path))
     chat = options(max_tokens=8)
 
     with ProcessWorker(spec) as worker:
@@ -578,7 +578,7 @@ def test_the_embedded_defaults_draft_in_the_chat() -> None:
         drafter = embedded_drafter()
     except FileNotFoundError as missing:
         pytest.skip(str(missing))
-    with Session(n_ctx=512, n_threads=2) as embedded:
+    with Session(n_ctx=512, n_threads=1) as embedded:
         assert embedded.drafter is not None and embedded.drafter.path == drafter
         app = ChatApp(embedded, options(max_tokens=16, block_size=8))
 
@@ -605,7 +605,7 @@ def test_the_apps_overhead_is_measured_and_its_speedup_is_like_for_like() -> Non
     messages = [{"role": "user", "content": LONG_PROMPT}]
     chat = options(max_tokens=64, block_size=None)
     gen = chat.generation
-    spec = SessionSpec(options=SessionOptions(n_ctx=1024, n_threads=2))
+    spec = SessionSpec(options=SessionOptions(n_ctx=1024, n_threads=1))
     with spec.open() as embedded, ProcessWorker(spec) as worker:
         embedded.chat(messages, gen)  # warm-up: the adaptive controller measures its costs once
         embedded.reset()

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow  # spawns the worker process and generates long re
 
 @pytest.fixture(scope="module")
 def spec(dflash_gguf_path) -> SessionSpec:
-    return SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=2))
+    return SessionSpec(None, dflash_gguf_path, SessionOptions(n_ctx=1024, n_threads=1))
 
 
 @dataclass(frozen=True)

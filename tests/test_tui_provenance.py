@@ -15,7 +15,7 @@ from dflash_gguf.tui.provenance import Provenance, display, pieces_of, pieces_of
 
 @pytest.fixture(scope="module")
 def steps(dflash_gguf_path):
-    with Session(None, dflash_gguf_path, n_ctx=512, n_threads=2) as session:
+    with Session(None, dflash_gguf_path, n_ctx=512, n_threads=1) as session:
         return list(session.stream("Naïve café — tell me a story:", max_tokens=24, block_size=4))
 
 
