@@ -94,7 +94,7 @@ def run_child(f16: str, models: dict[str, Path], args: argparse.Namespace) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--targets", nargs="+", type=Path, help="GGUF paths (default: the embedded target and the qwen35 fixture)")
+    p.add_argument("--targets", nargs="+", type=Path, help="GGUFs (default: the embedded target, the qwen35 fixture)")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 9, 16])
     p.add_argument("--prefixes", nargs="+", type=int, default=[5, 24])
     p.add_argument("--f16", nargs="+", default=["on", "off"], choices=["on", "off"])
