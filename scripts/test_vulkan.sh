@@ -81,6 +81,11 @@ fi
 
 # 3. llama-cpp-python 0.3.36 built for Vulkan, in its own venv (about 20 minutes on two cores)
 export GGML_VK_VISIBLE_DEVICES="${GGML_VK_VISIBLE_DEVICES:-0}"  # ggml skips CPU-type devices (lavapipe) unless named
+# ggml-vulkan's f16 matrix path (batches of 9 rows and more) moves a verify batch's logits by ~0.5 from single
+# steps on lavapipe, so greedy output could flip at a near tie without any bug; without f16 the difference is
+# under 4e-3 (scripts/measure_vulkan_batch.py, docs/BACKENDS.md) and the same device paths run. The tier runs
+# without it; tests/test_vulkan.py measures both settings. DFLASH_VULKAN_F16=on runs the tier with f16.
+[ "${DFLASH_VULKAN_F16:-off}" = on ] || export GGML_VK_DISABLE_F16=1
 has_vulkan() {
     "$venv/bin/python" - <<'EOF' 2>/dev/null
 import ctypes, sys

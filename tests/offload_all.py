@@ -98,5 +98,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     flash = ", flash attention off" if os.environ.get("DFLASH_OFFLOAD_FLASH_ATTN") == "off" else ""
     mesa = config.stash[MESA]
     driver = f", Mesa {'.'.join(map(str, mesa))}" if mesa else ""
-    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{driver}{flash}"
+    vulkan = any(d.startswith("Vulkan") for d in config.stash[DEVICES])
+    f16 = (", f16 off (GGML_VK_DISABLE_F16)" if "GGML_VK_DISABLE_F16" in os.environ else ", f16 on") if vulkan else ""
+    return f"offload_all: every layer of every model on {', '.join(config.stash[DEVICES])}{driver}{flash}{f16}"
 

@@ -5,6 +5,7 @@ The tier's other tests are the ordinary lossless ones, unchanged: the plugin put
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,7 +15,10 @@ import pytest
 from llama_cpp import llama_cpp as capi
 
 from dflash_gguf import Session
+from dflash_gguf.backends import gpu_devices
 from dflash_gguf.defaults import embedded_drafter
+
+MEASURE = Path(__file__).resolve().parent.parent / "scripts" / "measure_vulkan_batch.py"
 
 
 @pytest.fixture(autouse=True)
@@ -67,3 +71,33 @@ def test_a_block_16_generation_after_a_plain_one(request, flash_attn):
         assert done.returncode == -signal.SIGSEGV, f"exit {done.returncode}: Mesa {mesa} no longer crashes here, move the pin"
     else:
         assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+
+
+def test_without_f16_a_verify_batch_stays_within_the_greedy_tests_margin(embedded_target, hybrid_models, capsys):
+    """Why scripts/test_vulkan.sh sets GGML_VK_DISABLE_F16=1, measured rather than assumed.
+
+    The greedy tests compare speculative output with plain decoding on the same backend, which only holds
+    where a verify batch's logits match single steps' closer than the references' top-two gaps (the hybrid
+    tests check theirs against MARGIN). ggml-vulkan's f16 matrix path, taken from 9 rows up, moves logits
+    by ~0.5 on lavapipe (a top token flips at a near tie: noise, not a rollback bug); without f16 the same
+    paths (device buffers, offload, copy-back) run in f32. Both settings are measured (each a child: ggml
+    reads the variable when it opens the device) and printed; the f16-off one must stay under MARGIN.
+    """
+    from test_hybrid_session import MARGIN
+
+    if not any(d.backend == "Vulkan" for d in gpu_devices()):
+        pytest.skip("GGML_VK_DISABLE_F16 is ggml-vulkan's; this device is not a Vulkan one")
+    targets = [str(embedded_target), str(hybrid_models.target("qwen35"))]
+    # 9: the first batch size on the f16 matrix path; 17: an anchor-first DSpark block of 16 verifies 17 rows
+    argv = [sys.executable, str(MEASURE), "--json", "--targets", *targets, "--rows", "9", "17", "--f16", "on", "off"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=7200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    figures = {(f16, name, int(rows)): v["max_abs"] for f16, per_target in results.items()
+               for name, r in per_target.items() for rows, v in r["rows"].items()}
+    with capsys.disabled():
+        print("\nmax |logit(batch) - logit(single steps)|: " + ", ".join(
+            f"{name} {rows} rows f16 {f16} {v:.2e}" for (f16, name, rows), v in sorted(figures.items())))
+    assert len(figures) == 8
+    off = {k: v for k, v in figures.items() if k[0] == "off"}
+    assert max(off.values()) < MARGIN, f"without f16 a verify batch moves logits by more than {MARGIN}: {off}"
