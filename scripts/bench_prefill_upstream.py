@@ -104,6 +104,8 @@ def main() -> None:
     args = p.parse_args()
     target = args.target or defaults.embedded_target()
     drafter = args.drafter or defaults.embedded_drafter()
+    if not args.server.is_file():
+        p.error(f"--server: no such file: {args.server}")
     if args.target and not args.drafter:
         p.error("--target needs --drafter: the second pair runs the drafter on both sides")
     kw = dict(n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.threads, flash_attn=True)
