@@ -28,6 +28,7 @@ from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
+from .reasoning import Thinking, check_template_kwargs, json_answer
 from .sources import Commit, DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
@@ -307,16 +308,22 @@ class Session:
         self._check_open()
         return plan_tools(self.target.chat_template(), tools, tool_choice, parallel_tool_calls)
 
-    def chat_config(self, config: GenerationConfig, plan: ToolPlan | None) -> GenerationConfig:
+    def chat_config(self, config: GenerationConfig, plan: ToolPlan | None, thinking: Thinking | None = None,
+                    ) -> GenerationConfig:
         """The config a tool plan generates under: its grammar (tools and a caller's constraint exclude each
-        other), and its family's end-of-turn strings among the stops."""
+        other), and its family's end-of-turn strings among the stops. Where the prompt left a thought open
+        (`thinking`), the tools' grammar or a JSON schema holds the reply after the thought, not instead of it."""
+        after = thinking is not None and thinking.opened
         if plan is None:
+            if after and config.json_schema is not None:
+                return GenerationConfig.build(config, json_schema=None,
+                                              grammar=thinking.constrain_after(json_answer(config.json_schema)))
             return config
         if plan.grammar is not None:
             if config.constraint is not None:
                 kind = config.constraint.kind
                 raise ToolError("tools", f"give tools or a {kind} constraint, not both (the tools bring their own grammar)")
-            config = GenerationConfig.build(config, grammar=plan.grammar)
+            config = GenerationConfig.build(config, grammar=thinking.constrain_after(plan.grammar) if after else plan.grammar)
         return config.with_stops(plan.family.stops)
 
     def _chat_steps(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig) -> Iterator[Step]:
@@ -670,10 +677,11 @@ class Session:
         return tokens
 
     def render_chat(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
-                    ) -> tuple[str, list[str]]:
+                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
         """The prompt text from the GGUF's chat template, and the template's stop strings. `tools` (checked
         ones, from tool_plan) are passed to the template as transformers and llama-cpp-python pass them;
-        assistant tool calls and tool results in `messages` render through it too."""
+        assistant tool calls and tool results in `messages` render through it too. `template_kwargs` are the
+        template's own variables (`enable_thinking`, ...), checked with check_template_kwargs."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         messages = prepare_messages(messages)
@@ -686,7 +694,8 @@ class Session:
             eos_token=self.target.special_token_text(self.target.eos_token()),
             bos_token=self.target.special_token_text(self.target.bos_token()),
         )
-        response = formatter(messages=messages, tools=list(tools) if tools else None)
+        response = formatter(messages=messages, tools=list(tools) if tools else None,
+                             **check_template_kwargs(template_kwargs))
         stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])
         return response.prompt, [s for s in stops if s]
 

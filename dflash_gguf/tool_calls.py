@@ -118,7 +118,7 @@ def _args_after(text: str, pos: int) -> tuple[str, bool, int]:
     return stripped[:end], True, start + end
 
 
-def _hold_back(text: str, marker: str) -> int:
+def hold_back(text: str, marker: str) -> int:
     """Where the text may stop being content: before a suffix that could be the start of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -163,7 +163,7 @@ class Family:
         still become an opener is held back."""
         at = text.find(self.opener)
         if at < 0:
-            return _Parsed(text[: _hold_back(text, self.opener)])
+            return _Parsed(text[: hold_back(text, self.opener)])
         return _Parsed(text[:at], self.calls(text, at, schemas))
 
     def calls(self, text: str, at: int, schemas: Mapping[str, Any]) -> list[tuple[str, str, bool]]:

@@ -3,8 +3,10 @@ POST /v1/messages/count_tokens, the length of the prompt a request would send.
 
 stop_reason: end_turn (the model ended its turn), max_tokens, stop_sequence (one of the caller's
 stop_sequences, named in stop_sequence), tool_use (the reply calls tools: a tool_use block each, streamed
-as content_block_start and input_json_delta fragments). `timings` and `dflash` ride along in the message
-and in the message_delta event; the SDK keeps unknown fields aside.
+as content_block_start and input_json_delta fragments). A thinking model's thought is a thinking block
+before the others (streamed as thinking_delta events), its signature empty: a local model has nothing to
+sign, as in llama-server. `timings` and `dflash` ride along in the message and in the message_delta event;
+the SDK keeps unknown fields aside.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 
-from ..tool_calls import CallDelta, ToolStream
+from ..reply import ReplyReader, Thought
+from ..tool_calls import CallDelta
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .openai_routes import check_model
@@ -43,18 +46,19 @@ def router(engine: Engine) -> APIRouter:
             prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}
-        plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
+        reader = prepared.reader()
         if job.stream:
-            events = _events(run, message, len(prepared.tokens)) if plan is None else \
-                _tool_events(run, message, len(prepared.tokens), plan.stream())
+            events = _events(run, message, len(prepared.tokens)) if reader is None else \
+                _block_events(run, message, len(prepared.tokens), reader)
             return stream_response(run, events)
         async for event in run.events():
             if isinstance(event, Finished):
                 content: list[dict[str, Any]] = [{"type": "text", "text": event.text}]
                 calls = []
-                if plan is not None:
-                    text, calls = plan.read(event.text)
-                    content = ([{"type": "text", "text": text}] if text else []) + [
+                if reader is not None:
+                    thought, text, calls = reader.read(event.text)
+                    content = ([{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []) + (
+                        [{"type": "text", "text": text}] if text else []) + [
                         {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
                 return {
                     **message, "content": content,
@@ -69,7 +73,7 @@ def router(engine: Engine) -> APIRouter:
         """The prompt's length in tokens as /v1/messages would render it (Claude Code asks before it sends)."""
         check_model(engine, body.model)
         with _anthropic_terms():
-            tokens, _, _ = engine.prompt(messages_job(body))
+            tokens = engine.prompt(messages_job(body))[0]
         return {"input_tokens": len(tokens)}
 
     return r
@@ -113,27 +117,37 @@ async def _events(run: Run, message: dict[str, Any], n_prompt: int) -> AsyncIter
         yield {"event": "error", "data": json.dumps(body)}
 
 
-async def _tool_events(run: Run, message: dict[str, Any], n_prompt: int, reader: ToolStream,
-                       ) -> AsyncIterator[dict[str, str]]:
-    """The stream of a reply that may call tools: a text block while the model writes text, then a tool_use
-    block per call (its input as input_json_delta fragments), each opened as its first piece arrives."""
+async def _block_events(run: Run, message: dict[str, Any], n_prompt: int, reader: ReplyReader,
+                        ) -> AsyncIterator[dict[str, str]]:
+    """The stream of a reply that may think or call tools: a thinking block while the model thinks, a text
+    block while it writes text, then a tool_use block per call (its input as input_json_delta fragments),
+    each opened as its first piece arrives."""
     yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None, "stop_sequence": None,
                                                "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
     yield _event("ping", {})
-    index, open_kind = -1, None  # the block being written: its index and kind ("text", or a call's index)
+    index, open_kind = -1, None  # the block being written: its index and kind ("thinking", "text", or a call's index)
+
+    def close():
+        if open_kind == "thinking":  # Anthropic's clients expect a signature before a thinking block ends
+            yield _event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}})
+        if open_kind is not None:
+            yield _event("content_block_stop", {"index": index})
 
     def blocks(pieces):
         nonlocal index, open_kind
         for piece in pieces:
-            kind = "text" if isinstance(piece, str) else piece.index
+            kind = "thinking" if isinstance(piece, Thought) else "text" if isinstance(piece, str) else piece.index
             if kind != open_kind:
-                if open_kind is not None:
-                    yield _event("content_block_stop", {"index": index})
+                yield from close()
                 index, open_kind = index + 1, kind
-                block = {"type": "text", "text": ""} if isinstance(piece, str) else \
+                block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                    {"type": "text", "text": ""} if kind == "text" else \
                     {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
                 yield _event("content_block_start", {"index": index, "content_block": block})
-            if isinstance(piece, CallDelta):
+            if isinstance(piece, Thought):
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
+                                                                               "thinking": piece.text}})
+            elif isinstance(piece, CallDelta):
                 if piece.arguments:
                     yield _event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta", "partial_json": piece.arguments}})
@@ -143,10 +157,8 @@ async def _tool_events(run: Run, message: dict[str, Any], n_prompt: int, reader:
     try:
         async for event in run.events():
             if isinstance(event, Finished):
-                for e in blocks(reader.finish()):
+                for e in [*blocks(reader.finish()), *close()]:
                     yield e
-                if open_kind is not None:
-                    yield _event("content_block_stop", {"index": index})
                 yield _event("message_delta", {
                     "delta": {"stop_reason": _stop_reason(event, bool(reader.calls)),
                               "stop_sequence": event.stop_sequence},

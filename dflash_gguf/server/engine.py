@@ -17,6 +17,8 @@ import jinja2
 from starlette.requests import Request
 
 from ..config import GenerationConfig, SettingError
+from ..reasoning import Thinking, thinking_for
+from ..reply import ReplyReader
 from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step, TokenLogprob
@@ -40,6 +42,13 @@ class Prepared:
     start: Callable[[Session], Iterator[Step]]
     t0: float
     tools: ToolPlan | None = None  # the request's tools: the routes read the calls out of the reply with it
+    thinking: Thinking | None = None  # how the reply reasons, for a thinking template (and a request that splits)
+
+    def reader(self) -> ReplyReader | None:
+        """The reader of this reply's thought and calls; None when the reply is all answer text."""
+        if self.thinking is None and (self.tools is None or not self.tools.parses):
+            return None
+        return ReplyReader(self.thinking, self.tools)
 
 
 @dataclass
@@ -75,7 +84,7 @@ class Engine:
         t0 = time.perf_counter()
         session = self.pool.slots[0].session
         target = session.target
-        tokens, template_stops, plan = self.prompt(job)
+        tokens, template_stops, plan, thinking = self.prompt(job)
         if len(tokens) >= self.n_ctx:
             raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
                            "for at least one more", param="messages" if job.messages is not None else "prompt",
@@ -86,33 +95,35 @@ class Engine:
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
         try:
-            config = session.chat_config(config, plan).with_stops(template_stops)
+            config = session.chat_config(config, plan, thinking).with_stops(template_stops)
         except ToolError as e:
             raise _tool_error(e, False) from None
-        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan)
+        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan, thinking)
 
-    def prompt(self, job: Job) -> tuple[list[int], list[str], ToolPlan | None]:
-        """The job's prompt tokens (its messages rendered with the tools it declares), the template's stop
-        strings and the checked tools."""
+    def prompt(self, job: Job) -> tuple[list[int], list[str], ToolPlan | None, Thinking | None]:
+        """The job's prompt tokens (its messages rendered with the tools and template variables it declares),
+        the template's stop strings, the checked tools and how the reply reasons (None: no thought to split)."""
         session = self.pool.slots[0].session
         target = session.target
         template_stops: list[str] = []
-        plan = None
+        plan = thinking = None
         if job.messages is not None:
             try:
                 plan = session.tool_plan(job.tools, job.tool_choice, job.parallel_tool_calls)
-                text, template_stops = session.render_chat(job.messages, tools=None if plan is None else plan.tools)
+                text, template_stops = session.render_chat(job.messages, tools=None if plan is None else plan.tools,
+                                                           template_kwargs=job.template_kwargs)
             except ToolError as e:
                 raise _tool_error(e, self.tool_family is None and e.field == "tools") from None
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
                                code="invalid_messages") from None
             tokens = target.tokenize(text, add_special=False, parse_special=True)
+            thinking = thinking_for(target.chat_template(), text) if job.split_thought else None
         else:
             tokens = target.tokenize(job.prompt, add_special=True, parse_special=True)
         if not tokens:
             raise APIError(400, "the prompt is empty: nothing to condition on", param="prompt", code="invalid_value")
-        return tokens, template_stops, plan
+        return tokens, template_stops, plan, thinking
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
         """Wait for a slot (429 when the queue is full), then start the generation in its thread."""

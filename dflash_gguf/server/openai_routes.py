@@ -4,7 +4,8 @@ Shapes are llama_cpp's (llama_cpp.llama_types); every response also carries llam
 and the namespaced `dflash` figures: in the body, or in the last chunk of a stream (and in the usage
 chunk when stream_options.include_usage asks for one). With tools, the calls the model made are in
 message.tool_calls (streamed: delta.tool_calls, the id and name first, then the arguments in fragments as
-they are written) and finish_reason is "tool_calls".
+they are written) and finish_reason is "tool_calls". A thinking model's thought is in message.reasoning_content
+(streamed: delta.reasoning_content), as llama-server and DeepSeek's API give it, and left out of the content.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from llama_cpp.server.types import ModelList
 
 from ..logprobs import CompletionLogprobs, chat_logprobs
 from ..steps import TokenLogprob
-from ..tool_calls import openai_delta
+from ..reply import openai_delta
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
@@ -62,9 +63,12 @@ def router(engine: Engine) -> APIRouter:
         f = await _finish(run)
         message: dict[str, Any] = {"role": "assistant", "content": f.text}
         finish = f.finish_reason
-        if prepared.tools is not None and prepared.tools.parses:
-            content, calls = prepared.tools.read(f.text)
-            message["content"] = content
+        reader = prepared.reader()
+        if reader is not None:
+            thought, content, calls = reader.read(f.text)
+            message["content"] = content or (None if calls else "")
+            if thought:
+                message["reasoning_content"] = thought
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
                 finish = "tool_calls"
@@ -129,8 +133,7 @@ async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool,
     def chunk(delta: dict[str, Any], shown: dict[str, Any] | None = None) -> dict[str, Any]:
         return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": shown, "finish_reason": None}]}
 
-    plan = run.prepared.tools
-    reader = plan.stream() if plan is not None and plan.parses else None
+    reader = run.prepared.reader()
     yield chunk({"role": "assistant", "content": ""})
     async for event in run.events():
         if isinstance(event, Finished):

@@ -7,7 +7,9 @@ its tool's schema and comes back as a function_call output item. A stored respon
 default as in OpenAI's API) keeps its conversation, so `previous_response_id` continues it: the prompt
 rendered again starts with the turn before, which the slot's live context or the prompt cache already
 holds. Stored responses live in this process (the newest STORED_RESPONSES), retrievable with GET and
-removable with DELETE.
+removable with DELETE. A thinking model's thought is a reasoning item before the others (its text as
+reasoning_text content, no summary), and a reasoning item sent back in `input` is given to the template as the
+next assistant turn's reasoning_content; `reasoning.effort` "none" turns the template's thinking off.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, List, Literal, Option
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..tool_calls import CallDelta, ToolCall, ToolStream
-from .engine import Engine, Finished, Run
+from ..reply import ReplyReader, Thought
+from ..tool_calls import CallDelta, ToolCall
+from .engine import Engine, Finished, Prepared, Run
 from .errors import APIError
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _refuse, _sampling
+from .schemas import Job, Message, _constraint, _refuse, _sampling, template_kwargs
 from .sse import stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
@@ -56,9 +59,9 @@ class ResponsesRequest(BaseModel):
     background: Optional[bool] = None
     include: Optional[List[str]] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
+    reasoning: Optional[dict[str, Any]] = None  # effort: "none" turns thinking off; summary: none is written
     # neutral: echoed or ignored, the reply is the same
     metadata: Optional[dict[str, str]] = None
-    reasoning: Optional[dict[str, Any]] = None
     stream_options: Optional[dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
@@ -109,8 +112,12 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
     conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())})
     gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
     gen["max_tokens"] = req.max_output_tokens
+    reasoning = req.reasoning or {}
+    if set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise _refuse(f"reasoning.{sorted(set(reasoning) - {'effort', 'summary', 'generate_summary'})[0]}", "not supported")
     return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
-               tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls), conversation
+               tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
+               template_kwargs=template_kwargs(None, reasoning.get("effort"), "reasoning.effort")), conversation
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -136,10 +143,12 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
 
 def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[Message]:
     """Input items as chat messages: function_call items join the assistant turn before them as its tool
-    calls, a function_call_output is the tool turn answering one of `calls` (those so far, theirs included)."""
+    calls, a function_call_output is the tool turn answering one of `calls` (those so far, theirs included),
+    a reasoning item is the thought of the assistant turn after it."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[Message] = []
+    thought: list[str] = []  # reasoning items waiting for their assistant turn
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
@@ -151,10 +160,13 @@ def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[
         elif kind == "function_call":
             call = _history_call(item, f"input.{i}")
             calls.add(call["id"])
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and not thought:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":
+            thought.append(_reasoning_text(item, f"input.{i}"))
+            continue
         elif kind == "function_call_output":
             if item.get("call_id") not in calls:
                 raise _refuse(f"input.{i}.call_id", f"no earlier function_call has the call_id {item.get('call_id')!r}",
@@ -162,8 +174,25 @@ def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _parts_text(item.get("output"), f"input.{i}.output")})
         else:
-            raise _refuse(f"input.{i}.type", f"input item {kind!r} is not supported: messages and function calls are")
+            raise _refuse(f"input.{i}.type", f"input item {kind!r} is not supported: messages, function calls and "
+                          "reasoning are")
+        text = "\n".join(t for t in thought if t)
+        if text and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = text
+        thought = []
     return out
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's thought: its reasoning_text content (what this server returns); an item with only
+    encrypted content or a summary (another provider's) has none a local model could read."""
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise _refuse(f"{where}.content", "must be a list of reasoning_text parts", "invalid_value")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise _refuse(f"{where}.content.{j}", "must be {'type': 'reasoning_text', 'text': ...}", "invalid_value")
+    return "".join(part["text"] for part in content)
 
 
 def _history_call(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -230,24 +259,25 @@ def router(engine: Engine) -> APIRouter:
             raise
         run = await engine.start(prepared, request)
         shell = _shell(body, engine.config.model_alias)
-        plan = prepared.tools if prepared.tools is not None and prepared.tools.parses else None
 
         def finish(f: Finished, output: _Output) -> dict[str, Any]:
             """The whole response once the reply's output items are closed; stored when asked."""
-            response = _completed(shell, f, len(prepared.tokens), output.items)
+            response = _completed(shell, f, len(prepared.tokens), output.items, _thought_tokens(engine, prepared, f))
             if body.store:
                 turn: Message = {"role": "assistant", "content": output.content}
                 if output.calls:
                     turn["tool_calls"] = [c.openai() for c in output.calls]
+                if output.thought:
+                    turn["reasoning_content"] = output.thought
                 store.put(response, [*conversation, turn])
             return response
 
         if body.stream:
-            return stream_response(run, _events(run, shell, plan.stream() if plan else None, finish))
+            return stream_response(run, _events(run, shell, prepared.reader(), finish))
         async for event in run.events():
             if isinstance(event, Finished):
                 output = _Output(lambda name, **data: {})  # a whole response: its events go nowhere
-                list(output.feed(plan.stream() if plan else None, event.text, final=True))
+                list(output.feed(prepared.reader(), event.text, final=True))
                 output.close(_status(event))
                 return finish(event, output)
         raise _CANCELLED
@@ -285,13 +315,22 @@ def _shell(req: ResponsesRequest, model: str) -> dict[str, Any]:
     }
 
 
-def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, output: list[dict[str, Any]]) -> dict[str, Any]:
+def _thought_tokens(engine: Engine, prepared: Prepared, f: Finished) -> int:
+    """How many of the reply's tokens its thought took (usage.output_tokens_details.reasoning_tokens)."""
+    if prepared.thinking is None:
+        return 0
+    token_bytes = engine.pool.slots[0].session.target.token_bytes
+    return prepared.thinking.tokens_in_thought([token_bytes(t).decode("utf-8", "replace") for t in f.tokens])
+
+
+def _completed(shell: dict[str, Any], f: Finished, n_prompt: int, output: list[dict[str, Any]],
+               reasoning_tokens: int) -> dict[str, Any]:
     status = _status(f)
     return {
         **shell, "status": status, "completed_at": int(time.time()), "output": output,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": f.stats.n_cached_tokens},
-                  "output_tokens": len(f.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+                  "output_tokens": len(f.tokens), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                   "total_tokens": n_prompt + len(f.tokens)},
         "timings": f.timings, "dflash": f.dflash,
     }
@@ -301,24 +340,45 @@ Event = Callable[..., dict[str, str]]
 
 
 class _Output:
-    """The response's output items as the reply is read: a message item for its text, a function_call item
-    per call. Each item opens when its first piece arrives and closes when the next one opens or the reply
-    ends; `event` makes the stream event for each step (a no-op for a whole response)."""
+    """The response's output items as the reply is read: a reasoning item for its thought, a message item for
+    its text, a function_call item per call. Each item opens when its first piece arrives and closes when the
+    next one opens or the reply ends; `event` makes the stream event for each step (a no-op for a whole
+    response)."""
 
     def __init__(self, event: Event) -> None:
         self.event = event
         self.items: list[dict[str, Any]] = []
         self.content = ""
+        self.thought = ""
         self.calls: list[ToolCall] = []
         self._open: dict[str, Any] | None = None
 
-    def feed(self, reader: ToolStream | None, text: str, *, final: bool = False) -> Iterator[dict[str, str]]:
-        pieces: list[str | CallDelta] = ([text] if text else []) if reader is None else list(reader.feed(text))
+    def feed(self, reader: ReplyReader | None, text: str, *, final: bool = False) -> Iterator[dict[str, str]]:
+        pieces: list[Thought | str | CallDelta] = ([text] if text else []) if reader is None else reader.feed(text)
         if reader is not None and final:
             pieces += reader.finish()
             self.calls = reader.calls
         for piece in pieces:
-            yield from self._text(piece) if isinstance(piece, str) else self._call(piece)
+            if isinstance(piece, Thought):
+                yield from self._thought(piece.text)
+            else:
+                yield from self._text(piece) if isinstance(piece, str) else self._call(piece)
+
+    def _thought(self, delta: str) -> Iterator[dict[str, str]]:
+        if self._open is None or self._open["type"] != "reasoning":
+            yield from self._close("completed")
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
+                    "status": "in_progress"}
+            yield from self._add(item)
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            yield self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                             content_index=0, part=part)
+        item = self._open
+        item["content"][0]["text"] += delta
+        self.thought += delta
+        yield self.event("response.reasoning_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
+                         content_index=0, delta=delta)
 
     def _text(self, delta: str) -> Iterator[dict[str, str]]:
         if self._open is None or self._open["type"] != "message":
@@ -354,7 +414,7 @@ class _Output:
         self.items.append(item)
         self._open = item
         yield self.event("response.output_item.added", output_index=len(self.items) - 1,
-                         item={**item, "content": []} if item["type"] == "message" else dict(item))
+                         item={**item, "content": []} if "content" in item else dict(item))
 
     def _close(self, status: str) -> Iterator[dict[str, str]]:
         item, self._open = self._open, None
@@ -365,6 +425,10 @@ class _Output:
         if item["type"] == "message":
             part = item["content"][0]
             yield self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
+            yield self.event("response.content_part.done", **where, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            yield self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])
             yield self.event("response.content_part.done", **where, content_index=0, part=part)
         else:
             yield self.event("response.function_call_arguments.done", **where, arguments=item["arguments"])
@@ -377,7 +441,7 @@ class _Output:
         return opened + list(self._close(status))
 
 
-async def _events(run: Run, shell: dict[str, Any], reader: ToolStream | None,
+async def _events(run: Run, shell: dict[str, Any], reader: ReplyReader | None,
                   finish: Callable[[Finished, _Output], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
     """The Responses stream: created, each output item opened, its text or arguments in deltas, closed,
     then the whole response in response.completed (or response.incomplete at max_output_tokens)."""

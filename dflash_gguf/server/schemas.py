@@ -9,10 +9,14 @@ frequency_penalty, logit_bias (token ids), and llama.cpp's repeat_penalty, repea
 Structured output is acted on: `grammar` (GBNF), OpenAI `response_format` (json_object, json_schema) and
 Anthropic `output_config.format` become the Session's grammar / json_schema constraint. Parameters left at their neutral value are accepted, since clients send the
 defaults; output_config.effort, metadata, cache_control, service_tier and the like change nothing about a
-local model's reply and are accepted as neutral. What Claude Code adds is accepted too: `thinking` (checked,
-the model thinks only as its template makes it), `context_management` (checked, not applied), earlier turns'
-thinking blocks (left out of the prompt, as Anthropic leaves them out) and the billing header that opens its
-system prompt (removed: its per-request stamp would end every cached prefix at the first line).
+local model's reply and are accepted as neutral. What Claude Code adds is accepted too: `thinking` (checked;
+"disabled" turns the template's thinking off, the others leave it as the template has it), `context_management`
+(checked, not applied), earlier turns' thinking blocks (given to the template as the turn's reasoning_content,
+which thinking templates keep for the current tool loop only) and the billing header that opens its system
+prompt (removed: its per-request stamp would end every cached prefix at the first line). Reasoning: OpenAI
+`reasoning_effort` "none" and Anthropic thinking "disabled" set the template's enable_thinking to false,
+`chat_template_kwargs` (llama-server's and vLLM's) sets template variables, `reasoning_format` "none" leaves a
+thinking model's thought in the content instead of splitting it off.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from ..checks import SettingError
 from ..config import GenerationConfig
+from ..reasoning import check_template_kwargs
 from .errors import APIError
 
 Message = dict[str, Any]
@@ -55,6 +60,7 @@ class _AssistantMessage(TypedDict):
     function_call: NotRequired[llama_cpp.ChatCompletionRequestAssistantMessageFunctionCall]
     name: NotRequired[str]
     refusal: NotRequired[Optional[str]]
+    reasoning_content: NotRequired[Optional[str]]  # the turn's thought, as this server (and llama-server) give it
 
 
 _OpenAIMessage = Annotated[
@@ -100,6 +106,10 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     tools: Optional[List[dict[str, Any]]] = None
     # OpenAI's shapes: text, json_object (with llama-cpp-python's optional `schema`), json_schema
     response_format: Optional[dict[str, Any]] = None
+    # reasoning (dflash_gguf.reasoning): template variables, the thought split off or not, OpenAI's effort
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_format: Optional[Literal["auto", "deepseek", "none"]] = None
+    reasoning_effort: Optional[str] = None
     # neutral for a local model: nothing about the reply changes (prefixes are cached whatever the key says;
     # a prediction only ever speeds a reply up, never changes it)
     metadata: Optional[dict[str, Any]] = None
@@ -107,7 +117,6 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     safety_identifier: Optional[str] = None
-    reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None
     prediction: Optional[dict[str, Any]] = None
     # accepted only at their neutral value (chat_job)
@@ -197,6 +206,8 @@ class Job:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
+    split_thought: bool = True  # a thinking model's thought is given apart from the answer
 
 
 def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
@@ -257,6 +268,8 @@ def chat_job(req: ChatCompletionRequest) -> Job:
                             "content": _text_parts(m.get("content"), f"messages.{i}.content")}
         if m.get("tool_calls"):
             message["tool_calls"] = [dict(c) for c in m["tool_calls"]]
+        if role == "assistant" and m.get("reasoning_content"):
+            message["reasoning_content"] = m["reasoning_content"]
         if role == "tool":
             message["tool_call_id"] = m.get("tool_call_id")
         messages.append(message)
@@ -267,7 +280,9 @@ def chat_job(req: ChatCompletionRequest) -> Job:
     stops = _stops(req.stop)
     return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
                tools=[dict(t) for t in req.tools] if req.tools else None, tool_choice=req.tool_choice,
-               parallel_tool_calls=req.parallel_tool_calls)
+               parallel_tool_calls=req.parallel_tool_calls,
+               template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning_effort, "reasoning_effort"),
+               split_thought=req.reasoning_format != "none")
 
 
 def completion_job(req: CompletionRequest) -> Job:
@@ -300,6 +315,7 @@ def messages_job(req: MessagesRequest) -> Job:
     fmt, where = (output.get("format"), "output_config.format") if output.get("format") else (req.output_format, "output_format")
     constraint = _anthropic_format(fmt, where) if fmt is not None else {}
     _check_thinking(req.thinking)
+    thinking_off = {"enable_thinking": False} if (req.thinking or {}).get("type") == "disabled" else {}
     _check_context_management(req.context_management)
     if req.container is not None:
         raise _refuse("container", "code-execution containers are not supported")
@@ -312,13 +328,13 @@ def messages_job(req: MessagesRequest) -> Job:
     gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
-               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel)
+               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, template_kwargs=thinking_off)
 
 
 def _check_thinking(thinking: dict[str, Any] | None) -> None:
     """Extended thinking as Anthropic checks it (with interleaved thinking, which Claude Code asks for, the budget
-    may exceed max_tokens). The model thinks only where its own template makes it and the reply carries no
-    separate thinking blocks, so every type is accepted and none changes the reply."""
+    may exceed max_tokens). A thinking model thinks where its template makes it: "disabled" turns that off, the
+    others leave it on, and the budget is not enforced (the reply's max_tokens bounds the thought)."""
     if not thinking:
         return
     kind = thinking.get("type")
@@ -335,7 +351,7 @@ CONTEXT_EDITS = ("clear_tool_uses_20250919", "clear_thinking_20251015")
 
 def _check_context_management(management: dict[str, Any] | None) -> None:
     """Context editing (Claude Code sends it): the known edits are accepted and none is applied. Earlier turns'
-    thinking blocks never reach the prompt here, and old tool results are kept, since the whole history is
+    thinking reaches the prompt only where the template keeps it (the current tool loop), and old tool results are kept, since the whole history is
     bounded by the context (a longer one is a 400) and the prompt cache makes resending it cheap."""
     if management is None:
         return
@@ -376,6 +392,7 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[Message] = []
     for i, block in enumerate(m.content):
@@ -391,8 +408,10 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
             ids.add(data["id"])
             calls.append({"id": data["id"], "type": "function",
                           "function": {"name": data.get("name"), "arguments": data["input"]}})
-        elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
-            continue  # an earlier turn's thinking: Anthropic leaves it out of the context too
+        elif block.type == "thinking" and m.role == "assistant":
+            thoughts.append(data.get("thinking") or "")  # the template decides whether it is rendered
+        elif block.type == "redacted_thinking" and m.role == "assistant":
+            continue  # Anthropic's encrypted thinking: nothing a local model could read
         elif block.type == "tool_result" and m.role == "user":
             if data.get("tool_use_id") not in ids:
                 raise _refuse(f"{where}.tool_use_id", f"no earlier tool_use block has the id {data.get('tool_use_id')!r}",
@@ -403,10 +422,11 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
             raise _refuse(f"{where}.type", f"content block {block.type!r} is not supported in a {m.role} message: "
                           "text, tool_use and thinking (assistant) and tool_result (user) are")
     out, text = results, "".join(texts)
+    thought = {"reasoning_content": "\n".join(thoughts)} if any(thoughts) else {}
     if calls:
-        out.append({"role": "assistant", "content": text, "tool_calls": calls})
-    elif texts or not results:
-        out.append({"role": m.role, "content": text})
+        out.append({"role": "assistant", "content": text, "tool_calls": calls, **thought})
+    elif texts or thought or not results:
+        out.append({"role": m.role, "content": text, **thought})
     return out
 
 
@@ -466,6 +486,23 @@ def _anthropic_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | N
             raise _refuse("tool_choice.name", "a 'tool' tool_choice needs the tool's name", "invalid_value")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise _refuse("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}", "invalid_value")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
+def template_kwargs(given: dict[str, Any] | None, effort: str | None, effort_param: str) -> dict[str, Any]:
+    """The chat template's variables for a request: `chat_template_kwargs`, and OpenAI's reasoning effort as
+    upstream llama-server reads it ("none": enable_thinking false; another: the template's reasoning_effort)."""
+    out = dict(given or {})
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise _refuse(effort_param, f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "invalid_value")
+        out.setdefault(*(("enable_thinking", False) if effort == "none" else ("reasoning_effort", effort)))
+    try:
+        return check_template_kwargs(out)
+    except SettingError as e:
+        raise _refuse(e.field, e.problem, "invalid_value") from None
 
 
 def _constraint(kind: str, source: Any, param: str) -> dict[str, Any]:

@@ -1,0 +1,139 @@
+"""Reasoning: the thought a thinking model writes before its answer, told apart from the answer.
+
+Thinking models (Qwen3 and 3.5, QwQ, DeepSeek-R1 and its distills, SmolLM3, Magistral, Seed-OSS) write
+`<think> ... </think>` (or their family's markers) before the reply proper. Most of their templates end the
+prompt inside the thought (`<think>\\n`), so the reply starts with reasoning and no opening marker; others let
+the model open it. The APIs give the thought back apart from the answer (OpenAI `reasoning_content`, Anthropic
+thinking blocks, Responses reasoning items), as upstream llama-server does, and a constrained reply (a forced
+tool call, a JSON schema) is constrained after the thought, not instead of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .checks import SettingError
+from .tool_calls import hold_back
+
+# (start, end) markers of each family's thought, told apart by the end marker in the chat template
+MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("[THINK]", "[/THINK]"),
+                                        ("<seed:think>", "</seed:think>"))
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """How one reply reasons: its markers, and whether the prompt left the thought open (the reply starts inside
+    it) or the model may open one itself at the start of its reply."""
+
+    start: str
+    end: str
+    opened: bool
+
+    def stream(self) -> "ThoughtStream":
+        return ThoughtStream(self)
+
+    def constrain_after(self, reply: str) -> str:
+        """A Lark grammar (llguidance's, with one `start` rule) for a reply that begins inside the thought: the
+        thought is free text up to the end marker, then `reply`'s grammar holds the rest."""
+        lines = reply.splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("start:")]
+        if len(starts) != 1 or not lines or not lines[0].startswith("%llguidance"):
+            raise ValueError("the grammar to follow a thought must be Lark with one start rule")
+        lines[starts[0]] = "answer:" + lines[starts[0]][len("start:"):]
+        # a lazy rule: the thought ends where the end marker first appears, and never holds the marker itself
+        return "\n".join([lines[0], "start: thought answer", f"thought[lazy]: THOUGHT {json.dumps(self.end)}",
+                          "THOUGHT: /(.|\\n)*/", *lines[1:]]) + "\n"
+
+    def tokens_in_thought(self, pieces: Sequence[str]) -> int:
+        """How many of a reply's tokens (their texts, in order) the thought took: up to the one that completes
+        its end marker, or all of them when the thought never ended (0 when the reply has no thought)."""
+        text = ""
+        for i, piece in enumerate(pieces):
+            text += piece
+            if self.end in text:
+                return i + 1 if self.opened or text.lstrip().startswith(self.start) else 0
+        return len(pieces) if self.opened or text.lstrip().startswith(self.start) else 0
+
+
+def thinking_for(template: str | None, prompt: str) -> Thinking | None:
+    """The reply's thinking under this chat template and the prompt it rendered; None for a template without
+    reasoning markers. `prompt` ends inside a thought when it ends with the start marker (`<think>\\n`)."""
+    if not template:
+        return None
+    for start, end in MARKERS:
+        if end in template:
+            return Thinking(start, end, prompt.rstrip().endswith(start))
+    return None
+
+
+# what the chat formatter passes itself: a template variable may not stand in for them
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "tool_choice", "functions", "function_call", "add_generation_prompt", "bos_token",
+    "eos_token", "raise_exception", "strftime_now"})
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A chat template's own variables (llama-server's and vLLM's `chat_template_kwargs`): `enable_thinking`
+    (false: the templates that know it close the thought before the reply) and whatever else the template
+    reads; SettingError naming the variable for one the formatter sets itself or an enable_thinking that is
+    not a boolean."""
+    out = dict(kwargs or {})
+    for name, value in out.items():
+        where = f"chat_template_kwargs.{name}"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SettingError(where, "must be a template variable name")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise SettingError(where, "is set by the server from the request itself, not a template variable to give")
+        if name == "enable_thinking" and not isinstance(value, bool):
+            raise SettingError(where, f"must be true or false, got {value!r}")
+    return out
+
+
+def json_answer(schema: str) -> str:
+    """A JSON schema's text as a Lark grammar (its `start` rule), for Thinking.constrain_after."""
+    return f"%llguidance {{}}\nstart: /[ \\t\\n]*/ %json {schema}\n"
+
+
+class ThoughtStream:
+    """Feed a reply's text as it comes; get the new thought and the new answer text each time, each given out
+    once and in order. The whole reply is read again on each feed (replies are short next to the decode).
+
+    Whitespace around the markers is the template's layout, not the model's words: the thought is given without
+    the blank lines around it and the answer without those before it. What could still be a marker is held back
+    until it is one or is not."""
+
+    def __init__(self, thinking: Thinking) -> None:
+        self.thinking = thinking
+        self._text = ""
+        self.thought = ""  # given out so far
+        self.answer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._text += text
+        return self._give(*self._split(final=False))
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the reply has ended."""
+        return self._give(*self._split(final=True))
+
+    def _give(self, thought: str, answer: str) -> tuple[str, str]:
+        new = thought[len(self.thought):], answer[len(self.answer):]
+        self.thought, self.answer = thought, answer  # each split extends the one before
+        return new
+
+    def _split(self, final: bool) -> tuple[str, str]:
+        t, text = self.thinking, self._text
+        if not t.opened:
+            lead = text.lstrip()
+            if not final and t.start.startswith(lead):
+                return "", ""  # the reply may still open a thought
+            if not lead.startswith(t.start):
+                return "", text  # it did not: all of it is the answer
+            text = lead[len(t.start):]
+        end = text.find(t.end)
+        if end >= 0:
+            return text[:end].strip(), text[end + len(t.end):].lstrip()
+        thought = text.lstrip()
+        return (thought if final else thought[:hold_back(thought, t.end)]).rstrip(), ""
