@@ -106,3 +106,22 @@ def tool_targets(tmp_path_factory, embedded_target):
     from tool_fixtures import ToolTargets
 
     return ToolTargets(tmp_path_factory.mktemp("tool_targets"), embedded_target)
+
+
+# --- a test module's server, through the official clients ---------------------------
+
+
+@pytest.fixture(scope="module")
+def oai(url, request):
+    """The openai client for the module's `url` fixture, with the module's KEY."""
+    from test_server import sdk_clients
+
+    return sdk_clients(url, request.module.KEY)[0]
+
+
+@pytest.fixture(scope="module")
+def claude(url, request):
+    """The anthropic client for the module's `url` fixture, with the module's KEY."""
+    from test_server import sdk_clients
+
+    return sdk_clients(url, request.module.KEY)[1]

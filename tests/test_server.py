@@ -133,14 +133,20 @@ def held(session):
         del session.stream_tokens
 
 
+def sdk_clients(url: str, key: str) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+    """The official clients for a test server, without retries (a failure shows at once)."""
+    return (openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120),
+            anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120))
+
+
 @pytest.fixture(scope="module")
 def oai(main_url):
-    return openai.OpenAI(base_url=main_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return sdk_clients(main_url, KEY)[0]
 
 
 @pytest.fixture(scope="module")
 def claude(main_url):
-    return anthropic.Anthropic(base_url=main_url, api_key=KEY, max_retries=0, timeout=120)
+    return sdk_clients(main_url, KEY)[1]
 
 
 def reference_chat(ref, messages, **gen):

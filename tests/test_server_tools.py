@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from dflash_gguf import Session, defaults
@@ -44,16 +42,6 @@ def url(base):
     with serve([session], ServerConfig(api_key=KEY, model_alias="smol-tools", accept_any_model=True)) as u:
         yield u
     session.close()
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
 
 
 def test_openai_tool_loop_whole_and_streamed(oai, base):
