@@ -10,7 +10,9 @@ files, drafter, n_ctx, n_batch, KV types, n_rs_seq, flash attention, libllama ve
 the asking context are candidates. Disk entries are single files written to a temp name and renamed,
 so a reader never sees half of one; each is checked (magic, format, header, sizes, SHA-256) before its
 bytes reach libllama, and one that fails is a miss with a warning, never a crash or a wrong answer.
-This module holds bytes only; the Session turns them into state (target.py, drafter.py call into C).
+A disk entry is written by the cache's writer thread, so a generation ends (and its reply leaves) without
+waiting for the checksum and the write: until the file is in place the entry is served from memory, and
+flush() (called at exit) waits for what is queued. This module holds bytes only; the Session turns them into state (target.py, drafter.py call into C).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import atexit
 import os
+import queue
 import re
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +46,7 @@ TEMP_MARK = ".tmp-"  # "<name>.tmp-<pid>": a file being written by process pid
 _PREAMBLE = struct.Struct("<4sI")  # magic, header length
 MAX_HEADER = 1 << 20
 DEFAULT_DISK_BYTES = 8 << 30
+MAX_QUEUED_WRITES = 4  # a store waits while this many disk writes are queued (each holds a whole state in memory)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -121,6 +127,9 @@ class _RamEntry:
     tokens: np.ndarray
 
 
+_Queued = _RamEntry  # a disk entry waiting for the writer: the same three things, held in memory
+
+
 @dataclass
 class CacheCounters:
     """Counters for /metrics; they only grow, except the byte and entry gauges."""
@@ -163,6 +172,10 @@ class PromptCache:
         self._ram: OrderedDict[tuple[str, bytes], _RamEntry] = OrderedDict()  # LRU first
         self._ram_used = 0
         self._disk: dict[str, _DiskEntry] = {}  # file name -> entry
+        self._queued: dict[str, _Queued] = {}  # file name -> an entry the writer has yet to put in place
+        self._writes: queue.Queue[str | None] = queue.Queue()  # None: the cache is gone, the writer ends
+        self._room = threading.BoundedSemaphore(MAX_QUEUED_WRITES)
+        self._writer: threading.Thread | None = None
         self._bad: set[tuple[str, int, int]] = set()  # (name, size, mtime_ns) already warned about
         self.counters = CacheCounters()
         if self.directory is not None:
@@ -188,7 +201,7 @@ class PromptCache:
     @property
     def entries(self) -> dict[str, int]:
         with self._lock:
-            return {"ram": len(self._ram), "disk": len(self._disk)}
+            return {"ram": len(self._ram), "disk": len(self._disk) + len(self._queued)}  # the queued are the disk tier's
 
     def _disk_used(self) -> int:
         return sum(e.size for e in self._disk.values())
@@ -212,17 +225,20 @@ class PromptCache:
         with self._lock:
             if self.directory is not None:
                 self._scan()
-            # the most positions first; at equal length RAM before disk (nothing to read)
+            # the most positions first; at equal length RAM, then what the writer still holds, then disk
             candidates = sorted(
-                [(usable(e.tokens), 1, key) for key, e in self._ram.items() if e.context == context]
+                [(usable(e.tokens), 2, key) for key, e in self._ram.items() if e.context == context]
+                + [(usable(e.tokens), 1, name) for name, e in self._queued.items() if e.context == context]
                 + [(usable(e.tokens), 0, name) for name, e in self._disk.items() if e.context == context],
                 key=lambda c: (-c[0], -c[1]))
-            for n, in_ram, key in candidates:
+            for n, where, key in candidates:
                 if n <= at_least:
                     break
-                if in_ram:
+                if where == 2:
                     self._ram.move_to_end(key)
                     return self._hit(Hit(self._ram[key].snapshot, "ram", n), t0)
+                if where == 1:  # a disk entry on its way to the disk: its bytes are still in memory
+                    return self._hit(Hit(self._queued[key].snapshot, "disk", n), t0)
                 snapshot = self._read(self._disk[key])  # None (a warning) if it fails its checks: try the next
                 if snapshot is not None:
                     self._put_ram(context, snapshot)
@@ -253,27 +269,47 @@ class PromptCache:
         if not snapshot.tokens:
             return False
         tokens = np.asarray(snapshot.tokens, dtype=np.int32)
+        name = f"{context[:16]}-{hashlib.sha256(tokens.tobytes()).hexdigest()[:24]}{SUFFIX}"
+
+        def superseded(e: _RamEntry | _DiskEntry) -> bool:
+            return supersede and e.context == context and len(e.tokens) < len(tokens) and \
+                _shared(e.tokens, tokens) == len(e.tokens)
+
         with self._lock:
-            if supersede:
-                for key in [k for k, e in self._ram.items() if e.context == context and len(e.tokens) < len(tokens)
-                            and _shared(e.tokens, tokens) == len(e.tokens)]:
-                    self._drop_ram(key)
+            for key in [k for k, e in self._ram.items() if superseded(e)]:
+                self._drop_ram(key)
             taken = self._put_ram(context, snapshot)
+            write = False
             if self.directory is not None:
-                if supersede:
-                    for name in [n for n, e in self._disk.items() if e.context == context
-                                 and len(e.tokens) < len(tokens) and _shared(e.tokens, tokens) == len(e.tokens)]:
-                        self._remove_file(name)
-                taken = self._write(context, snapshot, tokens) or taken
+                for n in [n for n, e in self._queued.items() if superseded(e)]:
+                    del self._queued[n]  # the writer skips it
+                for n in [n for n, e in self._disk.items() if superseded(e)]:
+                    self._remove_file(n)
+                if name in self._disk:
+                    self._touch(self._disk[name])
+                elif name not in self._queued and self._fits(snapshot):
+                    self._queued[name] = _Queued(context, snapshot, tokens)
+                    write = True
+                taken = taken or name in self._disk or name in self._queued
             if taken:
                 self.counters.stores += 1
-            return taken
+        if write:  # outside the lock: a full queue waits for the writer, which takes the lock
+            self._start_writer()
+            self._room.acquire()
+            self._writes.put(name)
+        return taken
+
+    def flush(self) -> None:
+        """Wait until every queued disk entry is written (or has failed with a warning)."""
+        if self._writer is not None:
+            self._writes.join()
 
     def clear(self) -> None:
         """Forget every entry of both tiers (the files of the directory this cache wrote included)."""
         with self._lock:
             self._ram.clear()
             self._ram_used = 0
+            self._queued.clear()
             for name in list(self._disk):
                 self._remove_file(name)
 
@@ -298,29 +334,38 @@ class PromptCache:
         self._ram_used -= entry.snapshot.nbytes
 
     # -- disk tier -----------------------------------------------------------------------------
-    def _write(self, context: str, snapshot: Snapshot, tokens: np.ndarray) -> bool:
-        name = f"{context[:16]}-{hashlib.sha256(tokens.tobytes()).hexdigest()[:24]}{SUFFIX}"
-        if name in self._disk:
-            self._touch(self._disk[name])
-            return True
-        parts = list(snapshot.parts.items())
-        body = [tokens.astype("<i4").tobytes(), *(data for _, data in parts)]
+    def _fits(self, snapshot: Snapshot) -> bool:
+        size = _PREAMBLE.size + MAX_HEADER_ESTIMATE + snapshot.nbytes  # tokens and parts
+        if size > self.disk_bytes:
+            log.info("prompt cache: an entry of %d bytes exceeds the disk budget of %d; not written", size, self.disk_bytes)
+            return False
+        return True
+
+    def _start_writer(self) -> None:
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._writes, self._room),
+                                                name="prompt-cache-writer", daemon=True)
+                self._writer.start()
+                weakref.finalize(self, self._writes.put, None)
+                atexit.register(_flush_at_exit, weakref.ref(self))
+
+    def _write(self, name: str) -> None:
+        """Put a queued entry in place: checksum and temp file outside the lock, room and rename under it."""
+        with self._lock:
+            job = self._queued.get(name)
+        if job is None:
+            return  # superseded or cleared while it waited
+        parts = list(job.snapshot.parts.items())
+        body = [job.tokens.astype("<i4").tobytes(), *(data for _, data in parts)]
         digest = hashlib.sha256()
         for chunk in body:
             digest.update(chunk)
         header = json.dumps({
-            "format": FORMAT, "context": context, "n_tokens": len(tokens),
+            "format": FORMAT, "context": job.context, "n_tokens": len(job.tokens),
             "parts": [[k, len(v)] for k, v in parts], "sha256": digest.hexdigest(), "created": time.time(),
         }).encode()
         size = _PREAMBLE.size + len(header) + sum(len(b) for b in body)
-        if size > self.disk_bytes:
-            log.info("prompt cache: an entry of %d bytes exceeds the disk budget of %d; not written", size, self.disk_bytes)
-            return False
-        for victim in sorted(self._disk.values(), key=lambda e: e.last_used):
-            if self._disk_used() + size <= self.disk_bytes:
-                break
-            self._remove_file(victim.path.name)
-            self.counters.evictions["disk"] += 1
         assert self.directory is not None
         path = self.directory / name
         temp = self.directory / f"{name}{TEMP_MARK}{os.getpid()}"
@@ -330,13 +375,22 @@ class PromptCache:
                 f.write(header)
                 for chunk in body:
                     f.write(chunk)
-            os.replace(temp, path)
+            with self._lock:
+                if self._queued.pop(name, None) is None:
+                    temp.unlink()  # superseded or cleared while it was written
+                    return
+                for victim in sorted(self._disk.values(), key=lambda e: e.last_used):
+                    if self._disk_used() + size <= self.disk_bytes:
+                        break
+                    self._remove_file(victim.path.name)
+                    self.counters.evictions["disk"] += 1
+                os.replace(temp, path)
+                self._disk[name] = _DiskEntry(path, job.context, job.tokens.copy(), size, time.time())
         except OSError as e:
             log.warning("prompt cache: could not write %s: %s", path, e)
+            with self._lock:
+                self._queued.pop(name, None)
             temp.unlink(missing_ok=True)
-            return False
-        self._disk[name] = _DiskEntry(path, context, tokens.copy(), size, time.time())
-        return True
 
     def _scan(self) -> None:
         """Bring the disk index up to date with the directory: new files' headers are read and checked,
@@ -437,6 +491,37 @@ class PromptCache:
             pass
         except OSError as e:
             log.warning("prompt cache: could not remove %s: %s", entry.path, e)
+
+
+MAX_HEADER_ESTIMATE = 4096  # a header's JSON is a few hundred bytes: room enough for the budget check before it exists
+
+
+def _write_loop(cache_ref: "weakref.ref[PromptCache]", writes: "queue.Queue[str | None]",
+                room: threading.BoundedSemaphore) -> None:
+    """The writer thread: queued entries to disk, one at a time, until the cache is gone."""
+    while True:
+        name = writes.get()
+        cache = cache_ref() if name is not None else None
+        try:
+            if cache is None:
+                return
+            try:
+                cache._write(name)
+            except Exception:  # noqa: BLE001 - an unexpected failure is logged; the writer serves the rest
+                log.exception("prompt cache: writing %s failed", name)
+                with cache._lock:
+                    cache._queued.pop(name, None)
+            del cache
+        finally:
+            if name is not None:
+                room.release()
+            writes.task_done()
+
+
+def _flush_at_exit(cache_ref: "weakref.ref[PromptCache]") -> None:
+    cache = cache_ref()
+    if cache is not None:
+        cache.flush()
 
 
 def _token_key(tokens: Sequence[int]) -> bytes:

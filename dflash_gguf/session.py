@@ -799,6 +799,8 @@ class Session:
 
     def close(self) -> None:
         """Free the drafter and, unless wrapped from a Llama, the target; a running stream ends at its next cycle.
+        Then wait for the prompt cache's queued disk writes, so that what this Session stored is on disk for
+        the next process (or Session) that opens the directory.
 
         Safe to call twice, and from another thread: it waits for the cycle in progress, never for the stream.
         """
@@ -811,6 +813,8 @@ class Session:
             self.target.close()
             if self._llama is not None:
                 self._llama.reset()
+        if self._prompt_cache is not None:
+            self._prompt_cache.flush()
 
     def __enter__(self) -> "Session":
         return self

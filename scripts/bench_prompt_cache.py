@@ -135,10 +135,11 @@ def main() -> None:
         cache = PromptCache(ram_bytes=8 << 30, directory=directory, disk_bytes=16 << 30)
         with open_session(args, cache) as s:
             turn1 = agent_prompt(s, args.tokens)
-            t1, reply1, _ = ttft(s, turn1, args)  # stores prompt + reply
+            t1, reply1, stored = ttft(s, turn1, args)  # stores prompt + reply
             turns = [turn1 + reply1 + s.tokenize(f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",
                                                  add_special=False) for q in QUESTIONS[: args.reps]]
-        print(f"turn 1: {len(turn1)} tokens (TTFT {t1:.2f} s, stored); turn 2: {len(turns[0])} tokens; KV {args.kv}; "
+        print(f"turn 1: {len(turn1)} tokens (TTFT {t1:.2f} s; stored in {stored['store_ms']:.0f} ms after its last "
+              f"token, the disk write queued); turn 2: {len(turns[0])} tokens; KV {args.kv}; "
               f"n_ctx {args.n_ctx}; {args.threads} threads; {load()}")
         print("| run | cold TTFT s (prefill s) | warm RAM TTFT s | % of cold | warm disk TTFT s (new process) | % of cold "
               "| restored RAM / disk | restore ms RAM / disk | replies identical | load |")

@@ -57,6 +57,7 @@ def main() -> None:
                 drafter_bytes = len(s.drafter.save_state()) if s.drafter is not None else 0
                 if not spec.stats.prompt_cache.stored or cache.entries != {"ram": 1, "disk": 1}:
                     raise SystemExit(f"{kv}: the generation did not store one entry ({spec.stats.prompt_cache})")
+                cache.flush()  # the disk entry is written by the cache's writer thread
                 (entry,) = cache.directory.glob(f"*{SUFFIX}")
                 disk = entry.stat().st_size
                 held = rss_bytes()

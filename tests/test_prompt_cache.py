@@ -7,12 +7,14 @@ store real libllama sequence states of the embedded target.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from dflash_gguf import Session, Target
@@ -77,6 +79,36 @@ def test_ram_tier_evicts_least_recently_used(states):
     assert not cache.store(ctx, states[64]) or states[64].nbytes <= size  # larger than the budget: not kept
 
 
+def stored(cache: PromptCache, *args, **kwargs) -> PromptCache:
+    """The cache after a store whose disk write has finished (the writer thread does it after store returns)."""
+    cache.store(*args, **kwargs)
+    cache.flush()
+    return cache
+
+
+def test_a_store_returns_before_its_disk_write_and_serves_it_meanwhile(states, tmp_path):
+    """The writer thread writes a disk entry after store() returns (a reply need not wait for the checksum and
+    the write); until the file is in place, a lookup is served from the bytes the writer holds. A FIFO at the
+    writer's temp name holds the write open while the test looks."""
+    ctx = context_id({"test": 1})
+    cache = PromptCache(directory=tmp_path)  # no RAM tier: only the writer holds the bytes
+    name = f"{ctx[:16]}-{hashlib.sha256(np.asarray(states[16].tokens, np.int32).tobytes()).hexdigest()[:24]}{SUFFIX}"
+    fifo = tmp_path / f"{name}{TEMP_MARK}{os.getpid()}"
+    os.mkfifo(fifo)
+    assert cache.store(ctx, states[16])  # returns: the writer is blocked opening the FIFO, no reader yet
+    hit = cache.lookup(ctx, list(states[16].tokens) + [5])
+    assert hit.tier == "disk" and hit.snapshot is states[16] and cache.entries == {"ram": 0, "disk": 1}
+    assert not (tmp_path / name).exists()
+    with open(fifo, "rb") as f:  # let the writer through: what it writes is the entry, byte for byte
+        written = f.read()
+    cache.flush()
+    (tmp_path / name).unlink()  # the FIFO, renamed into place
+    stored(PromptCache(directory=tmp_path), ctx, states[16])  # the same entry as a real file, read back
+    body = states[16].nbytes  # the tokens and the state, after the header (whose JSON holds the time)
+    assert (tmp_path / name).read_bytes()[-body:] == written[-body:] and written[:4] == b"DFPC"
+    assert PromptCache(directory=tmp_path).lookup(ctx, list(states[16].tokens) + [5]).snapshot == states[16]
+
+
 def test_supersede_drops_the_prefixes_of_a_longer_entry(states, tmp_path):
     cache = PromptCache(ram_bytes=1 << 30, directory=tmp_path)
     ctx = context_id({"test": 1})
@@ -89,12 +121,14 @@ def test_disk_never_exceeds_its_budget_and_evicts_the_oldest(states, tmp_path):
     ctx = context_id({"test": 1})
     one = PromptCache(directory=tmp_path, disk_bytes=1 << 30)
     one.store(ctx, states[8], supersede=False)
+    one.flush()
     entry = next(tmp_path.glob(f"*{SUFFIX}")).stat().st_size
     budget = int(entry * 2.5)  # two 8-token entries fit, not three
     cache = PromptCache(directory=tmp_path, disk_bytes=budget)
     variants = [Snapshot(states[8].tokens[:-1] + (t,), states[8].parts) for t in (101, 102, 103, 104)]
     for v in variants:
         cache.store(ctx, v, supersede=False)
+        cache.flush()
         used = sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}"))
         assert used <= budget and cache.disk_used == used
     assert cache.counters.evictions["disk"] >= 2
@@ -108,19 +142,19 @@ def test_disk_eviction_is_least_recently_used_across_a_restart(states, tmp_path)
     in the process that read it and in a restarted one (the order is the files' mtime)."""
     ctx = context_id({"test": 1})
     a, b, c = (Snapshot(states[8].tokens[:-1] + (t,), states[8].parts) for t in (301, 302, 303))
-    PromptCache(directory=tmp_path).store(ctx, a, supersede=False)
+    stored(PromptCache(directory=tmp_path), ctx, a, supersede=False)
     entry = next(tmp_path.glob(f"*{SUFFIX}")).stat().st_size
     cache = PromptCache(directory=tmp_path, disk_bytes=int(entry * 2.5))
-    cache.store(ctx, b, supersede=False)
+    stored(cache, ctx, b, supersede=False)
     assert cache.lookup(ctx, list(a.tokens) + [1]).tier == "disk"  # no RAM tier: a read from disk
-    cache.store(ctx, c, supersede=False)  # one of a, b must go: b, the least recently used
+    stored(cache, ctx, c, supersede=False)  # one of a, b must go: b, the least recently used
     assert cache.counters.evictions["disk"] == 1
     restarted = PromptCache(directory=tmp_path, disk_bytes=int(entry * 2.5))
     assert restarted.lookup(ctx, list(b.tokens) + [1], at_least=7) is None
     for kept in (a, c):
         assert restarted.lookup(ctx, list(kept.tokens) + [1]).snapshot.tokens == kept.tokens
     restarted.lookup(ctx, list(c.tokens) + [1])  # now a is the least recently used
-    restarted.store(ctx, b, supersede=False)
+    stored(restarted, ctx, b, supersede=False)
     assert restarted.lookup(ctx, list(a.tokens) + [1], at_least=7) is None
     for kept in (b, c):
         assert restarted.lookup(ctx, list(kept.tokens) + [1]).snapshot.tokens == kept.tokens
@@ -128,7 +162,7 @@ def test_disk_eviction_is_least_recently_used_across_a_restart(states, tmp_path)
 
 def test_a_bad_file_is_a_miss_with_a_warning(states, tmp_path, caplog):
     ctx = context_id({"test": 1})
-    PromptCache(directory=tmp_path).store(ctx, states[16])
+    stored(PromptCache(directory=tmp_path), ctx, states[16])
     (path,) = tmp_path.glob(f"*{SUFFIX}")
     good = path.read_bytes()
     prompt = list(states[16].tokens) + [5]
@@ -155,8 +189,7 @@ def test_a_bad_file_is_a_miss_with_a_warning(states, tmp_path, caplog):
 
 def test_a_file_corrupted_after_indexing_is_caught_on_load(states, tmp_path, caplog):
     ctx = context_id({"test": 1})
-    cache = PromptCache(directory=tmp_path)
-    cache.store(ctx, states[16])
+    cache = stored(PromptCache(directory=tmp_path), ctx, states[16])
     (path,) = tmp_path.glob(f"*{SUFFIX}")
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
@@ -168,7 +201,7 @@ def test_a_file_corrupted_after_indexing_is_caught_on_load(states, tmp_path, cap
 
 def test_a_killed_writers_temp_file_is_ignored_and_removed(states, tmp_path):
     ctx = context_id({"test": 1})
-    PromptCache(directory=tmp_path).store(ctx, states[16])
+    stored(PromptCache(directory=tmp_path), ctx, states[16])
     (path,) = tmp_path.glob(f"*{SUFFIX}")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     partial = tmp_path / f"{path.name}{TEMP_MARK}{int(dead.stdout)}"

@@ -5,6 +5,7 @@ foreign file is a miss with a warning and the reply is still right; a bad size i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -130,7 +131,7 @@ def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path
     context and the tokens, so a first server, answering the request into another directory, tells its name;
     a FIFO made at the temp name the second server will write (name + TEMP_MARK + its pid) holds that write
     open: the test reads the entry's first bytes through it, so the server is blocked in the middle of its
-    write, and kills it there. The third start must ignore and remove what the killed writer left, and must
+    write, and kills it there. The reply has come back by then: the cache's writer thread writes after it. The third start must ignore and remove what the killed writer left, and must
     also meet a corrupt copy of the entry and a foreign file: each a miss with a warning, never a crash, and
     the reply is the one the first server gave."""
     reference, directory = tmp_path / "reference", tmp_path / "cache"
@@ -154,10 +155,13 @@ def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path
         def request() -> None:
             try:
                 answered.append(writer.chat("What does mul do?"))
-            except httpx.TransportError:
-                return  # killed mid-write: the connection drops
-            # the server answered without writing through the FIFO: end the read below (the test then fails)
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            finally:
+                # stop the server: its exit waits for the queued write (the test kills it blocked in there);
+                # one that never writes through the FIFO just exits, and then the read below must end
+                writer.proc.terminate()
+                writer.proc.wait()
+                with contextlib.suppress(OSError):  # no reader left: the test has read and killed already
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
         client = threading.Thread(target=request)
         client.start()
@@ -167,7 +171,7 @@ def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path
             writer.proc.kill()  # blocked in write(): the rest of the entry never arrives
             writer.proc.wait()
         client.join()
-        assert not answered and fifo.exists()  # what the killed writer left
+        assert answered and fifo.exists()  # the reply came before the write; the killed writer left the FIFO
     finally:
         writer.kill()
     assert [p.name for p in directory.iterdir()] == [fifo.name]
