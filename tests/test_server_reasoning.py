@@ -5,7 +5,10 @@ turned off per request; earlier thoughts given back to the template; bad reasoni
 The server serves a copy of the embedded target carrying Qwen3.5's chat template (tests/tool_fixtures.py): its
 prompt ends inside `<think>`, so SmolLM2's whole reply is a thought ("The capital of France is Paris.", then its
 end of turn): it never writes `</think>` by itself, and a grammar makes it where a test needs a thought that
-ends. Replies are greedy.
+ends. Replies are greedy. Replies compared with each other are all warm: a prompt prefilled whole in one batch
+and the same prompt kept from the slot (its last token decoded alone) can part at a near tie, as the CPU
+backend's batched and single-row kernels differ (README), so each comparison starts with warm(), which leaves
+the prompt in the slot.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ def reasoning(message) -> str | None:
     return (message.model_extra or {}).get("reasoning_content")
 
 
+def warm(oai, **request) -> None:
+    """Leave this request's prompt in the slot, so the next ones with it all keep it and decode alike."""
+    oai.chat.completions.create(**{**GREEDY, **request, "max_tokens": 1})
+
+
 def test_openai_gives_the_thought_apart_whole_and_streamed(oai):
+    warm(oai, messages=ASK)
     raw = oai.chat.completions.create(messages=ASK, max_tokens=12, extra_body={"reasoning_format": "none"}, **GREEDY)
     text = raw.choices[0].message.content
     assert text and reasoning(raw.choices[0].message) is None  # "none": the reply as written, in the content
@@ -55,6 +64,7 @@ def test_openai_gives_the_thought_apart_whole_and_streamed(oai):
 
 
 def test_a_thought_that_ends_is_followed_by_the_answer(oai):
+    warm(oai, messages=ASK)
     raw = oai.chat.completions.create(messages=ASK, max_tokens=40, extra_body={"grammar": ENDS, "reasoning_format": "none"},
                                       **GREEDY).choices[0].message.content
     thought, answer = raw.split("\n</think>\n\n")
@@ -71,7 +81,7 @@ def test_a_thought_that_ends_is_followed_by_the_answer(oai):
 
 
 def test_thinking_turned_off_answers_at_once(oai, claude):
-    on = oai.chat.completions.create(messages=ASK, max_tokens=12, **GREEDY)
+    warm(oai, messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     off = oai.chat.completions.create(messages=ASK, max_tokens=12, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                       **GREEDY)
     effort = oai.chat.completions.create(messages=ASK, max_tokens=12, reasoning_effort="none", **GREEDY)
@@ -79,14 +89,17 @@ def test_thinking_turned_off_answers_at_once(oai, claude):
     assert answer and reasoning(off.choices[0].message) is None
     assert effort.choices[0].message.content == answer and reasoning(effort.choices[0].message) is None
     # the template closed the thought in the prompt ("<think>\n\n</think>\n\n" where it ended with "<think>\n")
+    on = oai.chat.completions.create(messages=ASK, max_tokens=1, **GREEDY)
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
+    warm(oai, messages=ASK, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     msg = claude.messages.create(model="smol-think", messages=ASK, max_tokens=12, thinking={"type": "disabled"},
                                  extra_body={"temperature": 0.0})
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == answer
 
 
 def test_anthropic_gives_the_thought_as_a_thinking_block(oai, claude):
+    warm(oai, messages=ASK)
     thought = reasoning(oai.chat.completions.create(messages=ASK, max_tokens=12, **GREEDY).choices[0].message)
     args = dict(model="smol-think", messages=ASK, max_tokens=12, extra_body={"temperature": 0.0})
     msg = claude.messages.create(**args)
@@ -100,6 +113,7 @@ def test_anthropic_gives_the_thought_as_a_thinking_block(oai, claude):
 
 
 def test_responses_give_the_thought_as_a_reasoning_item(oai):
+    warm(oai, messages=ASK)
     thought = reasoning(oai.chat.completions.create(messages=ASK, max_tokens=12, **GREEDY).choices[0].message)
     args = dict(model="smol-think", input=ASK[0]["content"], temperature=0.0, max_output_tokens=12)
     r = oai.responses.create(**args)
@@ -126,9 +140,13 @@ def test_tools_are_called_after_the_thought(oai):
     """tool_choice required holds the reply after the thought: SmolLM2 thinks, never ends its thought, and
     calls nothing; with thinking off, the call comes at once."""
     args = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60, **GREEDY)
+    warm(oai, **args)
     thinking = oai.chat.completions.create(**args)
     assert thinking.choices[0].finish_reason != "tool_calls" and thinking.choices[0].message.tool_calls is None
     assert reasoning(thinking.choices[0].message)
+    # reasoning_format "none" changes what comes back, not the grammar: the same reply, the thought in the content
+    raw = oai.chat.completions.create(**args, extra_body={"reasoning_format": "none"})
+    assert raw.choices[0].message.content.strip() == reasoning(thinking.choices[0].message)
     off = oai.chat.completions.create(**args, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.choices[0].finish_reason == "tool_calls"
     assert [c.function.name for c in off.choices[0].message.tool_calls] == ["get_weather"]

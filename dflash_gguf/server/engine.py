@@ -42,13 +42,15 @@ class Prepared:
     start: Callable[[Session], Iterator[Step]]
     t0: float
     tools: ToolPlan | None = None  # the request's tools: the routes read the calls out of the reply with it
-    thinking: Thinking | None = None  # how the reply reasons, for a thinking template (and a request that splits)
+    thinking: Thinking | None = None  # how the reply reasons, for a thinking template
 
     def reader(self) -> ReplyReader | None:
-        """The reader of this reply's thought and calls; None when the reply is all answer text."""
-        if self.thinking is None and (self.tools is None or not self.tools.parses):
+        """The reader of this reply's thought and calls; None when the reply is all answer text (the thought
+        stays in it where the request asked for reasoning_format "none")."""
+        thinking = self.thinking if self.job.split_thought else None
+        if thinking is None and (self.tools is None or not self.tools.parses):
             return None
-        return ReplyReader(self.thinking, self.tools)
+        return ReplyReader(thinking, self.tools)
 
 
 @dataclass
@@ -118,7 +120,7 @@ class Engine:
                 raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
                                code="invalid_messages") from None
             tokens = target.tokenize(text, add_special=False, parse_special=True)
-            thinking = thinking_for(target.chat_template(), text) if job.split_thought else None
+            thinking = thinking_for(target.chat_template(), text)
         else:
             tokens = target.tokenize(job.prompt, add_special=True, parse_special=True)
         if not tokens:
