@@ -74,7 +74,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
     "eos_token", "raise_exception", "strftime_now"})
 
 
-def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A chat template's own variables (llama-server's and vLLM's `chat_template_kwargs`): `enable_thinking`
     (false: the templates that know it close the thought before the reply) and whatever else the template
     reads; SettingError naming the variable for one the formatter sets itself or an enable_thinking that is

@@ -53,11 +53,12 @@ class ReplyReader:
         thought, answer = self._thoughts.finish()
         return self._thought(thought) + self._answer_pieces(answer, final=True)
 
-    def read(self, text: str) -> tuple[str, str, list[ToolCall]]:
-        """A whole reply as its thought, its answer text and its calls."""
+    def read(self, text: str) -> tuple[str, str | None, list[ToolCall]]:
+        """A whole reply as its thought, its answer text (None when the reply is only calls, as OpenAI gives
+        it) and its calls."""
         self.feed(text)
         self.finish()
-        return self.thought, self.content, self.calls
+        return self.thought, self.content or (None if self.calls else ""), self.calls
 
     def _thought(self, text: str) -> list[Piece]:
         self.thought += text

@@ -28,14 +28,15 @@ from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
-from .reasoning import Thinking, check_template_kwargs, json_answer
+from .reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
+from .reply import ReplyReader, openai_delta
 from .sources import Commit, DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
-from .tool_calls import ToolCall, ToolError, ToolPlan, openai_delta, plan_tools, prepare_messages
+from .tool_calls import ToolCall, ToolError, ToolPlan, plan_tools, prepare_messages
 
 Message = Mapping[str, Any]
 log = logging.getLogger("dflash_gguf.session")
@@ -54,7 +55,8 @@ class SessionBusyError(RuntimeError):
 @dataclass(frozen=True)
 class Result:
     """A finished generation. With tools, `tool_calls` holds the calls the model made (finish_reason
-    "tool_calls") and `content` the text around them; `text` is always the whole reply as generated."""
+    "tool_calls") and `content` the text around them; from a thinking template, `reasoning` holds the thought
+    and `content` the answer after it; `text` is always the whole reply as generated."""
 
     text: str
     tokens: list[int]
@@ -62,6 +64,7 @@ class Result:
     stats: GenerationStats
     tool_calls: tuple[ToolCall, ...] = ()
     content: str | None = None
+    reasoning: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the config asked for logprobs
 
 
@@ -279,28 +282,37 @@ class Session:
         return self._collect(self.stream(prompt, config, **settings))
 
     def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
-             tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Result:
+             tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None, **settings: Any) -> Result:
         """Answer a conversation rendered with the GGUF's chat template; a follow-up turn reuses the cached prefix.
 
         tools (OpenAI-shaped: [{"type": "function", "function": {"name", "parameters", ...}}]) are rendered by
         the template; the calls the model makes come back in Result.tool_calls, each one's arguments held to
         its tool's schema while it is written. tool_choice: "auto" (default), "none", "required" or
         {"type": "function", "function": {"name": ...}}. Bad tools or tool messages raise ToolError naming the field.
+        A thinking template's thought comes back in Result.reasoning, the answer in Result.content;
+        chat_template_kwargs are the template's variables ({"enable_thinking": False} turns thinking off).
         """
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        result = self._collect(self._chat_steps(messages, plan, GenerationConfig.build(config, **settings)))
-        if plan is None or not plan.parses:
+        tokens, config, thinking = self._chat_prompt(messages, plan, GenerationConfig.build(config, **settings),
+                                                     chat_template_kwargs)
+        result = self._collect(self._steps(tokens, config))
+        if thinking is None and (plan is None or not plan.parses):
             return result
-        content, calls = plan.read(result.text)
+        thought, content, calls = ReplyReader(thinking, plan).read(result.text)
         return replace(result, tool_calls=tuple(calls), content=content,
+                       reasoning=thought if thinking is not None else None,
                        finish_reason="tool_calls" if calls else result.finish_reason)
 
     def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
-                    tool_choice: Any = None, parallel_tool_calls: bool | None = None, **settings: Any) -> Iterator[Step]:
-        """chat(), one Step per decode cycle (the raw reply: read calls from it with tool_plan(...).stream());
-        the template's stop strings are added to the caller's."""
+                    tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, **settings: Any) -> Iterator[Step]:
+        """chat(), one Step per decode cycle (the raw reply, thought and calls in it); the template's stop
+        strings are added to the caller's."""
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        return self._chat_steps(messages, plan, GenerationConfig.build(config, **settings))
+        tokens, config, _ = self._chat_prompt(messages, plan, GenerationConfig.build(config, **settings),
+                                              chat_template_kwargs)
+        return self._steps(tokens, config)
 
     def tool_plan(self, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolPlan | None:
         """The tools checked against this model's chat template: the family that writes and reads the calls,
@@ -326,9 +338,13 @@ class Session:
             config = GenerationConfig.build(config, grammar=thinking.constrain_after(plan.grammar) if after else plan.grammar)
         return config.with_stops(plan.family.stops)
 
-    def _chat_steps(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig) -> Iterator[Step]:
-        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
-        return self._steps(self.tokenize(prompt, add_special=False), self.chat_config(config, plan).with_stops(stops))
+    def _chat_prompt(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig,
+                     chat_template_kwargs: Mapping[str, Any] | None) -> tuple[list[int], GenerationConfig, Thinking | None]:
+        """A conversation's prompt tokens, the config its reply generates under, and how the reply thinks."""
+        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools,
+                                         chat_template_kwargs=chat_template_kwargs)
+        thinking = thinking_for(self.target.chat_template(), prompt)
+        return self.tokenize(prompt, add_special=False), self.chat_config(config, plan, thinking).with_stops(stops), thinking
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
@@ -677,11 +693,11 @@ class Session:
         return tokens
 
     def render_chat(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
         """The prompt text from the GGUF's chat template, and the template's stop strings. `tools` (checked
         ones, from tool_plan) are passed to the template as transformers and llama-cpp-python pass them;
-        assistant tool calls and tool results in `messages` render through it too. `template_kwargs` are the
-        template's own variables (`enable_thinking`, ...), checked with check_template_kwargs."""
+        assistant tool calls and tool results in `messages` render through it too. `chat_template_kwargs` are the
+        template's own variables (`enable_thinking`, ...), checked with check_chat_template_kwargs."""
         if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         messages = prepare_messages(messages)
@@ -695,7 +711,7 @@ class Session:
             bos_token=self.target.special_token_text(self.target.bos_token()),
         )
         response = formatter(messages=messages, tools=list(tools) if tools else None,
-                             **check_template_kwargs(template_kwargs))
+                             **check_chat_template_kwargs(chat_template_kwargs))
         stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])
         return response.prompt, [s for s in stops if s]
 
@@ -712,30 +728,33 @@ class Session:
 
     def create_chat_completion(
         self, messages: Sequence[Message], *, stream: bool = False, tools: Any = None, tool_choice: Any = None,
-        parallel_tool_calls: bool | None = None, **settings: Any
+        parallel_tool_calls: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+        **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF;
         logprobs=True (with top_logprobs=n alternatives) fills choices[0].logprobs.content as llama_cpp does.
         With tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason
-        "tool_calls"."""
+        "tool_calls", and a thinking template's thought in message.reasoning_content; without tools the reply
+        is llama_cpp's, thought included in the content."""
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools)
-        tokens = self.tokenize(prompt, add_special=False)
         settings = _chat_logprobs(_llama_max_tokens(settings))
-        config = GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **settings)
-        config = self.chat_config(config, plan).with_stops(stops)
+        tokens, config, thinking = self._chat_prompt(messages, plan, GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **settings),
+                                                     chat_template_kwargs)
         if plan is not None and plan.parses:
-            return self._tool_chunks(tokens, config, plan) if stream else self._tool_completion(tokens, config, plan)
+            reader = ReplyReader(thinking, plan)
+            return self._tool_chunks(tokens, config, reader) if stream else self._tool_completion(tokens, config, reader)
         completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
         return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
 
     def _chat_header(self) -> dict[str, Any]:
         return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": str(self.target.path)}
 
-    def _tool_completion(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> dict[str, Any]:
+    def _tool_completion(self, tokens: list[int], config: GenerationConfig, reader: ReplyReader) -> dict[str, Any]:
         result = self._collect(self._steps(tokens, config))
-        content, calls = plan.read(result.text)
+        thought, content, calls = reader.read(result.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
         n = len(result.tokens)
@@ -746,14 +765,13 @@ class Session:
             "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
         }
 
-    def _tool_chunks(self, tokens: list[int], config: GenerationConfig, plan: ToolPlan) -> Iterator[dict[str, Any]]:
+    def _tool_chunks(self, tokens: list[int], config: GenerationConfig, reader: ReplyReader) -> Iterator[dict[str, Any]]:
         head = {**self._chat_header(), "object": "chat.completion.chunk"}
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
         yield chunk({"role": "assistant"})
-        reader = plan.stream()
         for step in self._steps(tokens, config):
             pieces = list(reader.feed(step.text))
             if step.finish_reason is not None:

@@ -433,13 +433,6 @@ class ToolPlan:
     def stream(self) -> "ToolStream":
         return ToolStream(self)
 
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole reply as its content (None when only calls) and its calls."""
-        s = self.stream()
-        s.feed(text)
-        s.finish()
-        return s.content or (None if s.calls else ""), s.calls
-
 
 def plan_tools(template: str | None, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                ) -> ToolPlan | None:

@@ -113,7 +113,7 @@ class Engine:
             try:
                 plan = session.tool_plan(job.tools, job.tool_choice, job.parallel_tool_calls)
                 text, template_stops = session.render_chat(job.messages, tools=None if plan is None else plan.tools,
-                                                           template_kwargs=job.template_kwargs)
+                                                           chat_template_kwargs=job.chat_template_kwargs)
             except ToolError as e:
                 raise _tool_error(e, self.tool_family is None and e.field == "tools") from None
             except (jinja2.TemplateError, ValueError, TypeError) as e:

@@ -66,7 +66,7 @@ def router(engine: Engine) -> APIRouter:
         reader = prepared.reader()
         if reader is not None:
             thought, content, calls = reader.read(f.text)
-            message["content"] = content or (None if calls else "")
+            message["content"] = content
             if thought:
                 message["reasoning_content"] = thought
             if calls:

@@ -28,7 +28,7 @@ from ..tool_calls import CallDelta, ToolCall
 from .engine import Engine, Finished, Prepared, Run
 from .errors import APIError
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _refuse, _sampling, template_kwargs
+from .schemas import Job, Message, _constraint, _refuse, _sampling, template_variables
 from .sse import stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
@@ -117,7 +117,7 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         raise _refuse(f"reasoning.{sorted(set(reasoning) - {'effort', 'summary', 'generate_summary'})[0]}", "not supported")
     return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-               template_kwargs=template_kwargs(None, reasoning.get("effort"), "reasoning.effort")), conversation
+               chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort")), conversation
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

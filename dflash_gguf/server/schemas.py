@@ -32,7 +32,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from ..checks import SettingError
 from ..config import GenerationConfig
-from ..reasoning import check_template_kwargs
+from ..reasoning import check_chat_template_kwargs
 from .errors import APIError
 
 Message = dict[str, Any]
@@ -206,7 +206,7 @@ class Job:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
     split_thought: bool = True  # a thinking model's thought is given apart from the answer
 
 
@@ -281,7 +281,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
     return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
                tools=[dict(t) for t in req.tools] if req.tools else None, tool_choice=req.tool_choice,
                parallel_tool_calls=req.parallel_tool_calls,
-               template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning_effort, "reasoning_effort"),
+               chat_template_kwargs=template_variables(req.chat_template_kwargs, req.reasoning_effort, "reasoning_effort"),
                split_thought=req.reasoning_format != "none")
 
 
@@ -328,7 +328,7 @@ def messages_job(req: MessagesRequest) -> Job:
     gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
-               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, template_kwargs=thinking_off)
+               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_off)
 
 
 def _check_thinking(thinking: dict[str, Any] | None) -> None:
@@ -491,7 +491,7 @@ def _anthropic_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | N
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 
 
-def template_kwargs(given: dict[str, Any] | None, effort: str | None, effort_param: str) -> dict[str, Any]:
+def template_variables(given: dict[str, Any] | None, effort: str | None, effort_param: str) -> dict[str, Any]:
     """The chat template's variables for a request: `chat_template_kwargs`, and OpenAI's reasoning effort as
     upstream llama-server reads it ("none": enable_thinking false; another: the template's reasoning_effort)."""
     out = dict(given or {})
@@ -500,7 +500,7 @@ def template_kwargs(given: dict[str, Any] | None, effort: str | None, effort_par
             raise _refuse(effort_param, f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "invalid_value")
         out.setdefault(*(("enable_thinking", False) if effort == "none" else ("reasoning_effort", effort)))
     try:
-        return check_template_kwargs(out)
+        return check_chat_template_kwargs(out)
     except SettingError as e:
         raise _refuse(e.field, e.problem, "invalid_value") from None
 
