@@ -47,6 +47,7 @@ _PREAMBLE = struct.Struct("<4sI")  # magic, header length
 MAX_HEADER = 1 << 20
 DEFAULT_DISK_BYTES = 8 << 30
 MAX_QUEUED_WRITES = 4  # a store waits while this many disk writes are queued (each holds a whole state in memory)
+FLUSH_TIMEOUT_S = 120.0  # the longest a close or the exit waits for queued writes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -173,7 +174,9 @@ class PromptCache:
         self._ram_used = 0
         self._disk: dict[str, _DiskEntry] = {}  # file name -> entry
         self._queued: dict[str, _Queued] = {}  # file name -> an entry the writer has yet to put in place
-        self._writes: queue.Queue[str | None] = queue.Queue()  # None: the cache is gone, the writer ends
+        # the writer's queue: (cache, file name) keeps a cache alive until its queued entries are written;
+        # None ends the writer once the cache is gone
+        self._writes: queue.Queue[tuple[PromptCache, str] | None] = queue.Queue()
         self._room = threading.BoundedSemaphore(MAX_QUEUED_WRITES)
         self._writer: threading.Thread | None = None
         self._bad: set[tuple[str, int, int]] = set()  # (name, size, mtime_ns) already warned about
@@ -296,13 +299,19 @@ class PromptCache:
         if write:  # outside the lock: a full queue waits for the writer, which takes the lock
             self._start_writer()
             self._room.acquire()
-            self._writes.put(name)
+            self._writes.put((self, name))
         return taken
 
-    def flush(self) -> None:
-        """Wait until every queued disk entry is written (or has failed with a warning)."""
-        if self._writer is not None:
-            self._writes.join()
+    def flush(self, timeout: float | None = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every queued disk entry is written (or has failed with a warning); False, with a warning,
+        if some were still waiting after `timeout` seconds (a disk that hangs must not hang the process)."""
+        done = self._writes.all_tasks_done
+        with done:
+            if done.wait_for(lambda: not self._writes.unfinished_tasks, timeout):
+                return True
+            left = self._writes.unfinished_tasks
+        log.warning("prompt cache: %d disk write(s) still unfinished after %.0f s; not waiting longer", left, timeout)
+        return False
 
     def clear(self) -> None:
         """Forget every entry of both tiers (the files of the directory this cache wrote included)."""
@@ -344,11 +353,11 @@ class PromptCache:
     def _start_writer(self) -> None:
         with self._lock:
             if self._writer is None:
-                self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._writes, self._room),
+                self._writer = threading.Thread(target=_write_loop, args=(self._writes, self._room),
                                                 name="prompt-cache-writer", daemon=True)
                 self._writer.start()
                 weakref.finalize(self, self._writes.put, None)
-                atexit.register(_flush_at_exit, weakref.ref(self))
+                _WRITING.add(self)
 
     def _write(self, name: str) -> None:
         """Put a queued entry in place: checksum and temp file outside the lock, room and rename under it."""
@@ -496,31 +505,33 @@ class PromptCache:
 MAX_HEADER_ESTIMATE = 4096  # a header's JSON is a few hundred bytes: room enough for the budget check before it exists
 
 
-def _write_loop(cache_ref: "weakref.ref[PromptCache]", writes: "queue.Queue[str | None]",
-                room: threading.BoundedSemaphore) -> None:
-    """The writer thread: queued entries to disk, one at a time, until the cache is gone."""
+def _write_loop(writes: "queue.Queue[tuple[PromptCache, str] | None]", room: threading.BoundedSemaphore) -> None:
+    """The writer thread: queued entries to disk, one at a time, until its cache is gone."""
     while True:
-        name = writes.get()
-        cache = cache_ref() if name is not None else None
+        job = writes.get()
         try:
-            if cache is None:
+            if job is None:
                 return
+            cache, name = job
             try:
                 cache._write(name)
             except Exception:  # noqa: BLE001 - an unexpected failure is logged; the writer serves the rest
                 log.exception("prompt cache: writing %s failed", name)
                 with cache._lock:
                     cache._queued.pop(name, None)
-            del cache
+            room.release()
+            del job, cache  # a cache with nothing queued may go
         finally:
-            if name is not None:
-                room.release()
             writes.task_done()
 
 
-def _flush_at_exit(cache_ref: "weakref.ref[PromptCache]") -> None:
-    cache = cache_ref()
-    if cache is not None:
+_WRITING: "weakref.WeakSet[PromptCache]" = weakref.WeakSet()  # the caches that have a writer, for the exit
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Before the interpreter ends (and the writers, daemon threads, with it), the queued writes are done."""
+    for cache in list(_WRITING):
         cache.flush()
 
 

@@ -10,6 +10,8 @@ tool call, a JSON schema) is constrained after the thought, not instead of it.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -35,26 +37,31 @@ class Thinking:
         return ThoughtStream(self)
 
     def constrain_after(self, reply: str) -> str:
-        """A Lark grammar (llguidance's, with one `start` rule) for a reply that begins inside the thought: the
-        thought is free text up to the end marker, then `reply`'s grammar holds the rest."""
+        """A Lark grammar (llguidance's, with one `start` rule) for a reply whose thought comes first: the
+        thought is free text up to the end marker, then `reply`'s grammar holds the rest. Where the prompt did
+        not open the thought, the model may open one (after blank space) or not; `reply` must then begin
+        with something other than free text (a call's opener, JSON), which the optional thought cannot be
+        told apart from."""
         lines = reply.splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("start:")]
         if len(starts) != 1 or not lines or not lines[0].startswith("%llguidance"):
             raise ValueError("the grammar to follow a thought must be Lark with one start rule")
         lines[starts[0]] = "answer:" + lines[starts[0]][len("start:"):]
+        thought = "thought" if self.opened else f"(/[ \\t\\n]*/ {json.dumps(self.start)} thought)?"
         # a lazy rule: the thought ends where the end marker first appears, and never holds the marker itself
-        return "\n".join([lines[0], "start: thought answer", f"thought[lazy]: THOUGHT {json.dumps(self.end)}",
+        return "\n".join([lines[0], f"start: {thought} answer", f"thought[lazy]: THOUGHT {json.dumps(self.end)}",
                           "THOUGHT: /(.|\\n)*/", *lines[1:]]) + "\n"
 
     def tokens_in_thought(self, pieces: Sequence[str]) -> int:
         """How many of a reply's tokens (their texts, in order) the thought took: up to the one that completes
         its end marker, or all of them when the thought never ended (0 when the reply has no thought)."""
-        text = ""
-        for i, piece in enumerate(pieces):
-            text += piece
-            if self.end in text:
-                return i + 1 if self.opened or text.lstrip().startswith(self.start) else 0
-        return len(pieces) if self.opened or text.lstrip().startswith(self.start) else 0
+        text = "".join(pieces)
+        if not self.opened and not text.lstrip().startswith(self.start):
+            return 0
+        end = text.find(self.end)
+        if end < 0:
+            return len(pieces)
+        return bisect.bisect_left(list(itertools.accumulate(map(len, pieces))), end + len(self.end)) + 1
 
 
 def thinking_for(template: str | None, prompt: str) -> Thinking | None:

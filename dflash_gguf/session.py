@@ -323,20 +323,19 @@ class Session:
     def chat_config(self, config: GenerationConfig, plan: ToolPlan | None, thinking: Thinking | None = None,
                     ) -> GenerationConfig:
         """The config a tool plan generates under: its grammar (tools and a caller's constraint exclude each
-        other), and its family's end-of-turn strings among the stops. Where the prompt left a thought open
-        (`thinking`), the tools' grammar or a JSON schema holds the reply after the thought, not instead of it."""
-        after = thinking is not None and thinking.opened
-        if plan is None:
-            if after and config.json_schema is not None:
-                return GenerationConfig.build(config, json_schema=None,
-                                              grammar=thinking.constrain_after(json_answer(config.json_schema)))
-            return config
-        if plan.grammar is not None:
+        other), and its family's end-of-turn strings among the stops. Under a thinking template (`thinking`),
+        the tools' grammar or a JSON schema holds the reply after the thought, not instead of it; free text
+        with a lazy call grammar (tool_choice "auto") takes the thought as text where the prompt left none open."""
+        if plan is not None and plan.grammar is not None:
             if config.constraint is not None:
                 kind = config.constraint.kind
                 raise ToolError("tools", f"give tools or a {kind} constraint, not both (the tools bring their own grammar)")
-            config = GenerationConfig.build(config, grammar=thinking.constrain_after(plan.grammar) if after else plan.grammar)
-        return config.with_stops(plan.family.stops)
+            wrap = thinking is not None and (thinking.opened or plan.forced)
+            config = GenerationConfig.build(config, grammar=thinking.constrain_after(plan.grammar) if wrap else plan.grammar)
+        elif thinking is not None and config.json_schema is not None:
+            config = GenerationConfig.build(config, json_schema=None,
+                                            grammar=thinking.constrain_after(json_answer(config.json_schema)))
+        return config if plan is None else config.with_stops(plan.family.stops)
 
     def _chat_prompt(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig,
                      chat_template_kwargs: Mapping[str, Any] | None) -> tuple[list[int], GenerationConfig, Thinking | None]:

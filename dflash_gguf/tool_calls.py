@@ -421,6 +421,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI-shaped, as templates expect them
     grammar: str | None
     parallel: bool
+    forced: bool = False  # the reply is calls from its first token ("required" or a named tool), not free text
 
     @property
     def parses(self) -> bool:
@@ -476,7 +477,7 @@ def plan_tools(template: str | None, tools: Any, tool_choice: Any = None, parall
         compile_grammar("grammar", grammar)
     except ValueError as e:
         raise ToolError("tools", f"the tools' call grammar does not compile: {e}") from None
-    return ToolPlan(family, rendered, grammar, parallel)
+    return ToolPlan(family, rendered, grammar, parallel, forced=choice != "auto")
 
 
 def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -95,13 +95,15 @@ def test_a_store_returns_before_its_disk_write_and_serves_it_meanwhile(states, t
     name = f"{ctx[:16]}-{hashlib.sha256(np.asarray(states[16].tokens, np.int32).tobytes()).hexdigest()[:24]}{SUFFIX}"
     fifo = tmp_path / f"{name}{TEMP_MARK}{os.getpid()}"
     os.mkfifo(fifo)
-    assert cache.store(ctx, states[16])  # returns: the writer is blocked opening the FIFO, no reader yet
-    hit = cache.lookup(ctx, list(states[16].tokens) + [5])
-    assert hit.tier == "disk" and hit.snapshot is states[16] and cache.entries == {"ram": 0, "disk": 1}
-    assert not (tmp_path / name).exists()
-    with open(fifo, "rb") as f:  # let the writer through: what it writes is the entry, byte for byte
-        written = f.read()
-    cache.flush()
+    try:
+        assert cache.store(ctx, states[16])  # returns: the writer is blocked opening the FIFO, no reader yet
+        hit = cache.lookup(ctx, list(states[16].tokens) + [5])
+        assert hit.tier == "disk" and hit.snapshot is states[16] and cache.entries == {"ram": 0, "disk": 1}
+        assert not (tmp_path / name).exists()
+    finally:
+        with open(fifo, "rb") as f:  # let the writer through (a failure above too): what it writes is the entry
+            written = f.read()
+    assert cache.flush()
     (tmp_path / name).unlink()  # the FIFO, renamed into place
     stored(PromptCache(directory=tmp_path), ctx, states[16])  # the same entry as a real file, read back
     body = states[16].nbytes  # the tokens and the state, after the header (whose JSON holds the time)
@@ -240,6 +242,7 @@ def test_concurrent_readers_never_see_a_half_written_entry(states, tmp_path):
     try:
         for v in variants:
             writer.store(ctx, v, supersede=False)
+        writer.flush()  # the readers go on until every entry is on disk
     finally:
         done.set()
         for r in readers:

@@ -151,11 +151,13 @@ def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path
         fifo = directory / f"{entry.name}{TEMP_MARK}{writer.proc.pid}"
         os.mkfifo(fifo)
         answered: list[dict] = []
+        replied = threading.Event()
 
         def request() -> None:
             try:
                 answered.append(writer.chat("What does mul do?"))
             finally:
+                replied.set()
                 # stop the server: its exit waits for the queued write (the test kills it blocked in there);
                 # one that never writes through the FIFO just exits, and then the read below must end
                 writer.proc.terminate()
@@ -168,6 +170,7 @@ def test_a_server_killed_mid_write_leaves_nothing_the_next_start_trusts(tmp_path
         with open(fifo, "rb") as f:  # returns once the server has opened its temp file for writing
             head = f.read(64 << 10)
             assert head[:4] == MAGIC, "the server did not write its entry through the temp name"
+            replied.wait()  # the reply comes while the write is held open: it does not wait for the write
             writer.proc.kill()  # blocked in write(): the rest of the entry never arrives
             writer.proc.wait()
         client.join()

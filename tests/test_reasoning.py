@@ -149,6 +149,33 @@ def test_a_json_schema_holds_the_reply_after_the_thought(embedded_session):
     assert c.valid_prefix(target.tokenize(' "m": 7}', add_special=False)) < len(answer)
 
 
+def test_a_forced_call_may_follow_a_thought_the_model_opens_itself(embedded_session):
+    """Where the prompt left no thought open (Qwen3, SmolLM3), the model may open one before a forced call, or
+    call at once: the thought is optional, blank space before it allowed."""
+    target = embedded_session.target
+    grammar = QWEN3.constrain_after(plan_tools((TEMPLATES / "hermes.jinja").read_text(), [WEATHER], "required").grammar)
+    for reply in ("<think>\nI should <tool_call> now.\n</think>\n\n<tool_call>", "<tool_call>", "\n<think>x</think><tool_call>"):
+        c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+                       target.n_vocab)
+        c.commit(target.tokenize(reply, add_special=False))
+        assert decoded(target, c.forced()) == '\n{"name": "get_weather", "arguments": {"city":', reply
+    c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+                   target.n_vocab)
+    assert c.valid_prefix(target.tokenize("Sure", add_special=False)) == 0  # free text is still no answer
+
+
+@pytest.mark.parametrize("tools, choice", [(None, None), ([WEATHER], "none")])
+@pytest.mark.parametrize("thinking", [QWEN35, QWEN3])
+def test_a_json_schema_is_held_after_the_thought_with_or_without_tools(thinker, tools, choice, thinking):
+    """A JSON schema with no tools, or beside tools that constrain nothing (tool_choice "none"), follows the
+    thought: the config carries the wrapped grammar, not the bare schema."""
+    from dflash_gguf.config import GenerationConfig
+
+    config = GenerationConfig.build(None, json_schema={"type": "object"})
+    got = thinker.chat_config(config, thinker.tool_plan(tools, choice), thinking)
+    assert got.json_schema is None and "thought[lazy]" in got.grammar and "%json" in got.grammar
+
+
 def test_a_grammar_to_follow_a_thought_must_be_lark_with_one_start_rule():
     with pytest.raises(ValueError, match="one start rule"):
         QWEN35.constrain_after("root ::= \"x\"")

@@ -88,6 +88,10 @@ def test_thinking_turned_off_answers_at_once(oai, claude):
     answer = off.choices[0].message.content
     assert answer and reasoning(off.choices[0].message) is None
     assert effort.choices[0].message.content == answer and reasoning(effort.choices[0].message) is None
+    # "none" wins over the template variable, as in llama-server
+    both = oai.chat.completions.create(messages=ASK, max_tokens=1, reasoning_effort="none",
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}}, **GREEDY)
+    assert both.usage.prompt_tokens == off.usage.prompt_tokens
     # the template closed the thought in the prompt ("<think>\n\n</think>\n\n" where it ended with "<think>\n")
     on = oai.chat.completions.create(messages=ASK, max_tokens=1, **GREEDY)
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
@@ -129,11 +133,15 @@ def test_responses_give_the_thought_as_a_reasoning_item(oai):
     off = oai.responses.create(**args, reasoning={"effort": "none"})
     assert [i.type for i in off.output] == ["message"] and off.usage.output_tokens_details.reasoning_tokens == 0
 
-    # the reasoning item goes back in the input, with the turn it came from (the template keeps it in a tool loop)
-    back = oai.responses.create(model="smol-think", temperature=0.0, max_output_tokens=4, input=[
-        {"role": "user", "content": "Hi"}, r.output[0].model_dump(exclude_none=True),
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
-    assert back.output and back.usage.input_tokens > 0
+    # the reasoning item goes back in the input before the call it led to; the template renders it in the loop
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    loop = [{"role": "user", "content": ASK[0]["content"]}, call,
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    sizes = [oai.responses.create(model="smol-think", temperature=0.0, max_output_tokens=1, tools=tools,
+                                  input=items).usage.input_tokens
+             for items in (loop, [loop[0], r.output[0].model_dump(exclude_none=True), *loop[1:]])]
+    assert sizes[1] > sizes[0]
 
 
 def test_tools_are_called_after_the_thought(oai):
@@ -173,6 +181,8 @@ def test_an_earlier_thought_goes_back_to_the_template(oai, claude):
 
 
 BAD = [
+    ("/v1/messages", {"messages": [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]},
+                                   {"role": "user", "content": "Go on"}]}, "messages.1.content.0.thinking"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
     ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
@@ -188,7 +198,8 @@ BAD = [
 def test_bad_reasoning_fields_are_a_400_naming_them(url):
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         for route, extra, param in BAD:
-            body = {"messages": ASK, "max_tokens": 4} if route.endswith("completions") else {"input": "Hi", "max_output_tokens": 4}
+            body = {"input": "Hi", "max_output_tokens": 4} if route == "/v1/responses" else \
+                {"model": "smol-think", "messages": ASK, "max_tokens": 4}
             r = c.post(route, json=body | extra)
             assert r.status_code == 400, (extra, r.text)
             assert r.json()["error"]["param"] == param, (extra, r.json())

@@ -160,7 +160,7 @@ def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[
         elif kind == "function_call":
             call = _history_call(item, f"input.{i}")
             calls.add(call["id"])
-            if out and out[-1]["role"] == "assistant" and not thought:
+            if out and out[-1]["role"] == "assistant" and not any(thought):
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})

@@ -409,7 +409,9 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
             calls.append({"id": data["id"], "type": "function",
                           "function": {"name": data.get("name"), "arguments": data["input"]}})
         elif block.type == "thinking" and m.role == "assistant":
-            thoughts.append(data.get("thinking") or "")  # the template decides whether it is rendered
+            if not isinstance(data.get("thinking"), str):
+                raise _refuse(f"{where}.thinking", "a thinking block needs its thinking text", "invalid_value")
+            thoughts.append(data["thinking"])  # the template decides whether it is rendered
         elif block.type == "redacted_thinking" and m.role == "assistant":
             continue  # Anthropic's encrypted thinking: nothing a local model could read
         elif block.type == "tool_result" and m.role == "user":
@@ -492,13 +494,17 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # Ope
 
 
 def template_variables(given: dict[str, Any] | None, effort: str | None, effort_param: str) -> dict[str, Any]:
-    """The chat template's variables for a request: `chat_template_kwargs`, and OpenAI's reasoning effort as
-    upstream llama-server reads it ("none": enable_thinking false; another: the template's reasoning_effort)."""
+    """The chat template's variables for a request: `chat_template_kwargs`, then OpenAI's reasoning effort over
+    them, as upstream llama-server reads it ("none": enable_thinking false; another: the template's
+    reasoning_effort)."""
     out = dict(given or {})
     if effort is not None:
         if effort not in REASONING_EFFORTS:
             raise _refuse(effort_param, f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "invalid_value")
-        out.setdefault(*(("enable_thinking", False) if effort == "none" else ("reasoning_effort", effort)))
+        if effort == "none":
+            out["enable_thinking"] = False
+        else:
+            out["reasoning_effort"] = effort
     try:
         return check_chat_template_kwargs(out)
     except SettingError as e:
