@@ -27,6 +27,7 @@ from textual.widgets import Footer, Header, Input
 from dflash_gguf.session import Session
 from dflash_gguf.stats import Baseline, BaselineSource, GenerationStats
 from dflash_gguf.steps import Step, StepKind
+from dflash_gguf.reply import ReplyReader
 from dflash_gguf.tool_calls import ToolCall, ToolPlan, plan_tools
 from dflash_gguf.tui.commands import ChatCommands
 from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
@@ -269,7 +270,8 @@ class ChatApp(App[None]):
             if message.stats is not None:
                 self.last_generation = message.stats
                 status += f" · prompt {message.stats.n_prompt_tokens} tokens, {message.stats.n_cached_tokens} cached"
-        content, calls = (text, []) if self.tool_plan is None or message.cancelled else self.tool_plan.read(text)
+        content, calls = (text, []) if self.tool_plan is None or message.cancelled else \
+            ReplyReader(None, self.tool_plan).read(text)[1:]
         reply.widget.finish(text if not calls else content or "", status)
         reply.widget.show_calls(calls)
         if reply.speculative:
