@@ -24,10 +24,22 @@ from .steps import TokenSource
 
 # what a GenerationConfig may carry, each compiled by llguidance's own front end
 KINDS = ("grammar", "json_schema", "regex")
+# The blank space a JSON reply may put between its tokens: one space, or one or two line breaks and an indent of
+# up to 20 (upstream llama.cpp's json-schema-to-grammar SPACE_RULE). llguidance's default admits any run of it,
+# in which a small sampled model can loop until max_tokens. A schema's own x-guidance options come first.
+JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 
 
 class ConstraintError(ValueError):
     """The grammar, schema or regex does not compile, or the model reached a state the grammar rejects."""
+
+
+def json_rule(schema: str) -> str:
+    """A JSON schema's text as a Lark `%json` rule body, with the blank space a JSON reply may use (as
+    compile_grammar gives a json_schema constraint), unless the schema sets its own."""
+    spec = json.loads(schema)
+    spec["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE, **spec.get("x-guidance", {})}
+    return "%json " + json.dumps(spec, separators=(",", ":"))
 
 
 def schema_text(schema: Any) -> str:
@@ -51,7 +63,7 @@ def compile_grammar(kind: str, source: str) -> str:
         if kind == "grammar":
             grammar = llguidance.grammar_from("grammar", source)
         elif kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults={"whitespace_pattern": JSON_WHITESPACE})
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         else:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .checks import SettingError
+from .constraints import json_rule
 from .tool_calls import hold_back
 
 # (start, end) markers of each family's thought, told apart by the end marker in the chat template
@@ -47,7 +48,7 @@ class Thinking:
         if len(starts) != 1 or not lines or not lines[0].startswith("%llguidance"):
             raise ValueError("the grammar to follow a thought must be Lark with one start rule")
         lines[starts[0]] = "answer:" + lines[starts[0]][len("start:"):]
-        thought = "thought" if self.opened else f"(/[ \\t\\n]*/ {json.dumps(self.start)} thought)?"
+        thought = "thought" if self.opened else f"(/[ \\t\\n]{{0,8}}/ {json.dumps(self.start)} thought)?"
         # a lazy rule: the thought ends where the end marker first appears, and never holds the marker itself
         return "\n".join([lines[0], f"start: {thought} answer", f"thought[lazy]: THOUGHT {json.dumps(self.end)}",
                           "THOUGHT: /(.|\\n)*/", *lines[1:]]) + "\n"
@@ -100,7 +101,7 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, An
 
 def json_answer(schema: str) -> str:
     """A JSON schema's text as a Lark grammar (its `start` rule), for Thinking.constrain_after."""
-    return f"%llguidance {{}}\nstart: /[ \\t\\n]*/ %json {schema}\n"
+    return f"%llguidance {{}}\nstart: /[ \\t\\n]{{0,8}}/ {json_rule(schema)}\n"
 
 
 class ThoughtStream:

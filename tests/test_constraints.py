@@ -160,3 +160,25 @@ def test_masking_a_block_leaves_the_matcher_where_it_was(pair):
     assert c.valid_prefix(opening) == len(opening)
     c.commit(opening[:1])
     assert not np.array_equal(c.allowed(), before)
+
+
+@pytest.mark.parametrize("source", ["json_schema", "thought"])
+def test_a_json_reply_cannot_run_on_in_blank_space(pair, source):
+    """Between a JSON reply's tokens: one space, or up to two line breaks and an indent of 20 (upstream's
+    json-schema-to-grammar rule), never an endless run a sampled small model can loop in. The same bound holds
+    for a schema that follows a thought (reasoning.json_answer)."""
+    from dflash_gguf.constraints import ConstraintSpec, compile_grammar, schema_text
+    from dflash_gguf.reasoning import Thinking, json_answer
+
+    if source == "json_schema":
+        spec = GenerationConfig(json_schema=PERSON).constraint
+        head = "{"
+    else:
+        thinking = Thinking("<think>", "</think>", opened=True)
+        spec = ConstraintSpec("grammar", compile_grammar("grammar", thinking.constrain_after(json_answer(schema_text(PERSON)))))
+        head = "Fine.</think>\n\n{"
+    c = Constraint(pair.target.constraint_tokenizer(), spec, pair.target.n_vocab)
+    tokenize = lambda text: pair.target.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    c.commit(tokenize(head + "\n\n" + " " * 20))
+    assert c.valid_prefix(tokenize(" ")) == 0 and c.valid_prefix(tokenize("\n")) == 0
+    assert c.valid_prefix(tokenize('"name"')) > 0
