@@ -176,8 +176,10 @@ def test_create_chat_completion_has_llama_cpp_shapes(session, llama):
     assert [_shape(c) for c in (chunks[0], chunks[1], chunks[-1])] == [
         _shape(c) for c in (their_chunks[0], their_chunks[1], their_chunks[-1])
     ]
+    # both streams keep the prompt from their first call (its last token decoded alone): like for like, since a
+    # prompt prefilled whole and one kept can part at a near tie (on Vulkan: "Hello! I'm" / "Hello there,")
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert content == theirs["choices"][0]["message"]["content"]
+    assert content == "".join(c["choices"][0]["delta"].get("content", "") for c in their_chunks)
 
 
 def test_from_llama_wraps_an_existing_llama(embedded_target, dflash_gguf_path):
