@@ -34,11 +34,23 @@ class ConstraintError(ValueError):
     """The grammar, schema or regex does not compile, or the model reached a state the grammar rejects."""
 
 
+def _json_defaults(spec: Any) -> dict[str, Any]:
+    """The compile options a schema gets unless it says otherwise: the bounded blank space, where its own
+    x-guidance sets no whitespace option (llguidance's pattern would outrank a schema's whitespace_flexible)."""
+    own = spec.get("x-guidance") if isinstance(spec, dict) else None
+    if isinstance(own, dict) and ("whitespace_pattern" in own or "whitespace_flexible" in own):
+        return {}
+    return {"whitespace_pattern": JSON_WHITESPACE}
+
+
 def json_rule(schema: str) -> str:
-    """A JSON schema's text as a Lark `%json` rule body, with the blank space a JSON reply may use (as
-    compile_grammar gives a json_schema constraint), unless the schema sets its own."""
+    """A JSON schema's text as a Lark `%json` rule body, with the options compile_grammar gives a json_schema
+    constraint (the bounded blank space, unless the schema sets its own)."""
     spec = json.loads(schema)
-    spec["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE, **spec.get("x-guidance", {})}
+    defaults = _json_defaults(spec)
+    if defaults:
+        own = spec.get("x-guidance")
+        spec["x-guidance"] = {**defaults, **own} if isinstance(own, dict) else defaults
     return "%json " + json.dumps(spec, separators=(",", ":"))
 
 
@@ -63,7 +75,7 @@ def compile_grammar(kind: str, source: str) -> str:
         if kind == "grammar":
             grammar = llguidance.grammar_from("grammar", source)
         elif kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults={"whitespace_pattern": JSON_WHITESPACE})
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_json_defaults(json.loads(source)))
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         else:

@@ -272,7 +272,7 @@ class PromptCache:
         if not snapshot.tokens:
             return False
         tokens = np.asarray(snapshot.tokens, dtype=np.int32)
-        name = f"{context[:16]}-{hashlib.sha256(tokens.tobytes()).hexdigest()[:24]}{SUFFIX}"
+        name = entry_name(context, tokens)
 
         def superseded(e: _RamEntry | _DiskEntry) -> bool:
             return supersede and e.context == context and len(e.tokens) < len(tokens) and \
@@ -297,8 +297,13 @@ class PromptCache:
             if taken:
                 self.counters.stores += 1
         if write:  # outside the lock: a full queue waits for the writer, which takes the lock
-            self._start_writer()
-            self._room.acquire()
+            try:
+                self._start_writer()
+                self._room.acquire()
+            except BaseException:  # no writer, or interrupted while waiting: the entry is not queued after all
+                with self._lock:
+                    self._queued.pop(name, None)
+                raise
             self._writes.put((self, name))
         return taken
 
@@ -353,9 +358,10 @@ class PromptCache:
     def _start_writer(self) -> None:
         with self._lock:
             if self._writer is None:
-                self._writer = threading.Thread(target=_write_loop, args=(self._writes, self._room),
-                                                name="prompt-cache-writer", daemon=True)
-                self._writer.start()
+                writer = threading.Thread(target=_write_loop, args=(self._writes, self._room),
+                                          name="prompt-cache-writer", daemon=True)
+                writer.start()
+                self._writer = writer
                 weakref.finalize(self, self._writes.put, None)
                 _WRITING.add(self)
 
@@ -533,6 +539,12 @@ def _flush_at_exit() -> None:
     """Before the interpreter ends (and the writers, daemon threads, with it), the queued writes are done."""
     for cache in list(_WRITING):
         cache.flush()
+
+
+def entry_name(context: str, tokens: Sequence[int]) -> str:
+    """The file name of an entry: its context's prefix and a hash of its tokens (so a lookup can match a name)."""
+    digest = hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+    return f"{context[:16]}-{digest[:24]}{SUFFIX}"
 
 
 def _token_key(tokens: Sequence[int]) -> bytes:

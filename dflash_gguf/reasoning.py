@@ -66,13 +66,15 @@ class Thinking:
 
 
 def thinking_for(template: str | None, prompt: str) -> Thinking | None:
-    """The reply's thinking under this chat template and the prompt it rendered; None for a template without
-    reasoning markers. `prompt` ends inside a thought when it ends with the start marker (`<think>\\n`)."""
+    """The reply's thinking under this chat template and the prompt it rendered: inside a thought when the
+    prompt ends with the start marker (`<think>\\n`); None for a template without reasoning markers, or a
+    prompt whose template closed the thought before the reply (enable_thinking false: `<think>\\n\\n</think>`)."""
     if not template:
         return None
     for start, end in MARKERS:
         if end in template:
-            return Thinking(start, end, prompt.rstrip().endswith(start))
+            tail = prompt.rstrip()
+            return None if tail.endswith(end) else Thinking(start, end, tail.endswith(start))
     return None
 
 

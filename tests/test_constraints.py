@@ -182,3 +182,24 @@ def test_a_json_reply_cannot_run_on_in_blank_space(pair, source):
     c.commit(tokenize(head + "\n\n" + " " * 20))
     assert c.valid_prefix(tokenize(" ")) == 0 and c.valid_prefix(tokenize("\n")) == 0
     assert c.valid_prefix(tokenize('"name"')) > 0
+
+
+@pytest.mark.parametrize("source", ["json_schema", "thought"])
+def test_a_schemas_own_whitespace_options_win(pair, source):
+    """A schema that asks for compact JSON (x-guidance whitespace_flexible false) gets it on both paths; one
+    whose x-guidance is not an object compiles as llguidance reads it, never a crash."""
+    from dflash_gguf.constraints import ConstraintSpec, compile_grammar, schema_text
+    from dflash_gguf.reasoning import Thinking, json_answer
+
+    def constraint(schema):
+        if source == "json_schema":
+            return GenerationConfig(json_schema=schema).constraint
+        thinking = Thinking("<think>", "</think>", opened=True)
+        return ConstraintSpec("grammar", compile_grammar("grammar", thinking.constrain_after(json_answer(schema_text(schema)))))
+
+    c = Constraint(pair.target.constraint_tokenizer(), constraint({**PERSON, "x-guidance": {"whitespace_flexible": False}}),
+                   pair.target.n_vocab)
+    tokenize = lambda text: pair.target.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    c.commit(tokenize("{" if source == "json_schema" else "ok</think>{"))
+    assert c.valid_prefix(tokenize(" ")) == 0 and c.valid_prefix(tokenize('"name"')) > 0
+    assert constraint({**PERSON, "x-guidance": None}) is not None

@@ -7,18 +7,16 @@ store real libllama sequence states of the embedded target.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 
 from dflash_gguf import Session, Target
-from dflash_gguf.prompt_cache import SUFFIX, TEMP_MARK, PromptCache, Snapshot, context_id, parse_size
+from dflash_gguf.prompt_cache import SUFFIX, TEMP_MARK, PromptCache, Snapshot, context_id, entry_name, parse_size
 
 AGENT = (
     "You are a coding agent. You can call tools: read_file(path), write_file(path, text), run(cmd). "
@@ -82,7 +80,7 @@ def test_ram_tier_evicts_least_recently_used(states):
 def stored(cache: PromptCache, *args, **kwargs) -> PromptCache:
     """The cache after a store whose disk write has finished (the writer thread does it after store returns)."""
     cache.store(*args, **kwargs)
-    cache.flush()
+    assert cache.flush()
     return cache
 
 
@@ -92,17 +90,19 @@ def test_a_store_returns_before_its_disk_write_and_serves_it_meanwhile(states, t
     writer's temp name holds the write open while the test looks."""
     ctx = context_id({"test": 1})
     cache = PromptCache(directory=tmp_path)  # no RAM tier: only the writer holds the bytes
-    name = f"{ctx[:16]}-{hashlib.sha256(np.asarray(states[16].tokens, np.int32).tobytes()).hexdigest()[:24]}{SUFFIX}"
+    name = entry_name(ctx, states[16].tokens)
     fifo = tmp_path / f"{name}{TEMP_MARK}{os.getpid()}"
     os.mkfifo(fifo)
+    queued = cache.store(ctx, states[16])  # returns: the writer is blocked opening the FIFO, no reader yet
     try:
-        assert cache.store(ctx, states[16])  # returns: the writer is blocked opening the FIFO, no reader yet
+        assert queued
         hit = cache.lookup(ctx, list(states[16].tokens) + [5])
         assert hit.tier == "disk" and hit.snapshot is states[16] and cache.entries == {"ram": 0, "disk": 1}
         assert not (tmp_path / name).exists()
     finally:
-        with open(fifo, "rb") as f:  # let the writer through (a failure above too): what it writes is the entry
-            written = f.read()
+        if queued:  # let the writer through (after a failure above too): what it writes is the entry
+            with open(fifo, "rb") as f:
+                written = f.read()
     assert cache.flush()
     (tmp_path / name).unlink()  # the FIFO, renamed into place
     stored(PromptCache(directory=tmp_path), ctx, states[16])  # the same entry as a real file, read back
@@ -242,7 +242,7 @@ def test_concurrent_readers_never_see_a_half_written_entry(states, tmp_path):
     try:
         for v in variants:
             writer.store(ctx, v, supersede=False)
-        writer.flush()  # the readers go on until every entry is on disk
+        assert writer.flush()  # the readers go on until every entry is on disk
     finally:
         done.set()
         for r in readers:
