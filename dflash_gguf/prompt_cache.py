@@ -12,15 +12,16 @@ so a reader never sees half of one; each is checked (magic, format, header, size
 bytes reach libllama, and one that fails is a miss with a warning, never a crash or a wrong answer.
 A disk entry is written by the cache's writer thread, so a generation ends (and its reply leaves) without
 waiting for the checksum and the write: until the file is in place the entry is served from memory, and
-flush() (called at exit) waits for what is queued. This module holds bytes only; the Session turns them into state (target.py, drafter.py call into C).
+flush() (called at exit) waits for what is queued. This module holds bytes only; the Session turns them
+into state (target.py, drafter.py call into C).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
-import atexit
 import os
 import queue
 import re
@@ -48,6 +49,7 @@ MAX_HEADER = 1 << 20
 DEFAULT_DISK_BYTES = 8 << 30
 MAX_QUEUED_WRITES = 4  # a store waits while this many disk writes are queued (each holds a whole state in memory)
 FLUSH_TIMEOUT_S = 120.0  # the longest a close or the exit waits for queued writes
+MAX_HEADER_ESTIMATE = 4096  # a header's JSON is a few hundred bytes: room enough for the budget check before it exists
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -508,9 +510,6 @@ class PromptCache:
             log.warning("prompt cache: could not remove %s: %s", entry.path, e)
 
 
-MAX_HEADER_ESTIMATE = 4096  # a header's JSON is a few hundred bytes: room enough for the budget check before it exists
-
-
 def _write_loop(writes: "queue.Queue[tuple[PromptCache, str] | None]", room: threading.BoundedSemaphore) -> None:
     """The writer thread: queued entries to disk, one at a time, until its cache is gone."""
     while True:
@@ -543,8 +542,7 @@ def _flush_at_exit() -> None:
 
 def entry_name(context: str, tokens: Sequence[int]) -> str:
     """The file name of an entry: its context's prefix and a hash of its tokens (so a lookup can match a name)."""
-    digest = hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
-    return f"{context[:16]}-{digest[:24]}{SUFFIX}"
+    return f"{context[:16]}-{_token_key(tokens).hex()[:24]}{SUFFIX}"
 
 
 def _token_key(tokens: Sequence[int]) -> bytes:

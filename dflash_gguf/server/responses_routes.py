@@ -34,6 +34,7 @@ from .sse import stream_response
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
 # `include` values that ask for nothing this server could add (a local model has no encrypted reasoning)
 NEUTRAL_INCLUDES = frozenset({"reasoning.encrypted_content"})
+REASONING_KEYS = frozenset({"effort", "summary", "generate_summary"})  # summary: accepted, none is written
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -113,8 +114,9 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
     gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
     gen["max_tokens"] = req.max_output_tokens
     reasoning = req.reasoning or {}
-    if set(reasoning) - {"effort", "summary", "generate_summary"}:
-        raise _refuse(f"reasoning.{sorted(set(reasoning) - {'effort', 'summary', 'generate_summary'})[0]}", "not supported")
+    unknown = sorted(set(reasoning) - REASONING_KEYS)
+    if unknown:
+        raise _refuse(f"reasoning.{unknown[0]}", "not supported")
     return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort")), conversation

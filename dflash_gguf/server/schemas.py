@@ -351,8 +351,9 @@ CONTEXT_EDITS = ("clear_tool_uses_20250919", "clear_thinking_20251015")
 
 def _check_context_management(management: dict[str, Any] | None) -> None:
     """Context editing (Claude Code sends it): the known edits are accepted and none is applied. Earlier turns'
-    thinking reaches the prompt only where the template keeps it (the current tool loop), and old tool results are kept, since the whole history is
-    bounded by the context (a longer one is a 400) and the prompt cache makes resending it cheap."""
+    thinking reaches the prompt only where the template keeps it (the current tool loop), and old tool results
+    are kept, since the whole history is bounded by the context (a longer one is a 400) and the prompt cache
+    makes resending it cheap."""
     if management is None:
         return
     edits = management.get("edits", [])
