@@ -17,6 +17,7 @@ import llama_cpp
 from llama_cpp import llama_chat_format
 
 from . import calibration_store, defaults
+from .chat_template import place_system_messages, renders_late_system
 from .checks import SettingError, SettingTypeError
 from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
 from .constraints import Constraint, ForcedTokenSource
@@ -704,11 +705,10 @@ class Session:
         template = self.target.chat_template()
         if template is None:
             raise ValueError(f"{self.target.path}: the GGUF has no chat template; use generate() with a raw prompt")
-        formatter = llama_chat_format.Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.target.special_token_text(self.target.eos_token()),
-            bos_token=self.target.special_token_text(self.target.bos_token()),
-        )
+        eos = self.target.special_token_text(self.target.eos_token())
+        bos = self.target.special_token_text(self.target.bos_token())
+        messages = place_system_messages(messages, renders_late_system(template, bos, eos))
+        formatter = llama_chat_format.Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         response = formatter(messages=messages, tools=list(tools) if tools else None,
                              **check_chat_template_kwargs(chat_template_kwargs))
         stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])

@@ -378,6 +378,7 @@ class Target(NativeResource):
         self.n_vocab: int = capi.llama_vocab_n_tokens(self._vocab)
         self.n_ctx: int = capi.llama_n_ctx(ctx)
         self.n_ctx_seq: int = capi.llama_n_ctx_seq(ctx)
+        self.n_ctx_train: int = capi.llama_model_n_ctx_train(model)  # the context the model was trained for
         self.n_batch: int = capi.llama_n_batch(ctx)
         self.n_seq_max: int = capi.llama_n_seq_max(ctx)
         self.architecture: str = meta_str(model, Keys.ARCHITECTURE) or ""

@@ -208,6 +208,14 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return value
 
 
+def trained_context(path: str | Path) -> int | None:
+    """The context a model GGUF was trained for (`{arch}.context_length`), or None where it does not say."""
+    reader = open_gguf(Path(path))
+    arch = field_value(reader, Keys.ARCHITECTURE)
+    n = field_value(reader, f"{arch}.context_length") if arch else None
+    return int(n) if isinstance(n, (int, np.integer)) and n > 0 else None
+
+
 def drafter_verify_tokens(path: str | Path) -> int:
     """The longest verify batch a drafter GGUF's blocks make, from its header alone, so a target context can
     be sized for it first (`drafter_gguf.DrafterFile.verify_tokens`: the block, one more for an anchor-first

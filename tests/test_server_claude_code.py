@@ -34,7 +34,7 @@ def claude_code_request(cch: str, messages: list[dict]) -> dict:
 @pytest.fixture(scope="module")
 def claude(embedded_session):
     """One slot, so that a request's conversation is cached where the next one lands."""
-    with serve_forks(embedded_session, ServerConfig(model_alias="smol")) as url:
+    with serve_forks(embedded_session, ServerConfig(model_alias="smol", accept_any_model=False)) as url:
         yield anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
 
 
@@ -62,7 +62,9 @@ def test_the_billing_stamp_does_not_cut_the_cached_prefix(claude):
     """The stamp changes on every request: the second request still reuses its whole prompt but the last token."""
     claude.beta.messages.create(**claude_code_request("a5145", QUESTION))
     again = claude.beta.messages.create(**claude_code_request("0b3e9", QUESTION))
-    assert again.timings["cache_n"] == again.usage.input_tokens - 1
+    # Anthropic's usage: the cached prompt tokens are cache_read_input_tokens, the uncached ones input_tokens
+    assert again.timings["cache_n"] == again.usage.cache_read_input_tokens
+    assert again.usage.cache_read_input_tokens == again.usage.input_tokens + again.usage.cache_read_input_tokens - 1
 
 
 def test_earlier_thinking_blocks_are_left_out_of_the_prompt(claude, ref):
@@ -96,7 +98,8 @@ def test_count_tokens_is_the_prompt_a_request_sends(claude):
     request = claude_code_request("a5145", QUESTION)
     counted = claude.beta.messages.count_tokens(model="smol", betas=BETAS, system=request["system"],
                                                 messages=QUESTION, thinking=request["thinking"])
-    assert counted.input_tokens == claude.beta.messages.create(**request).usage.input_tokens
+    usage = claude.beta.messages.create(**request).usage
+    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
     tools = [{"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
     with pytest.raises(anthropic.BadRequestError) as e:  # the embedded model's template has no tool support
         claude.messages.count_tokens(model="smol", messages=QUESTION, tools=tools)

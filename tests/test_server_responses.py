@@ -30,7 +30,7 @@ def ref(embedded_session):
 
 @pytest.fixture(scope="module")
 def url(embedded_session):
-    with serve_forks(embedded_session, ServerConfig(model_alias="smol"), slots=2) as u:
+    with serve_forks(embedded_session, ServerConfig(model_alias="smol", accept_any_model=False), slots=2) as u:
         yield u
 
 

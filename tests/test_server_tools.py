@@ -245,7 +245,7 @@ def test_responses_tool_loop_whole_and_streamed(oai):
 BAD_RESPONSES = [
     ({"tools": [{"type": "function", "parameters": {}}]}, "tools.0.name"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}]}, "tools.0.parameters"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools.0.type"),
     ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tools": RESPONSES_TOOLS, "input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
      "input.0.call_id"),

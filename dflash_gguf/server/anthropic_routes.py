@@ -1,7 +1,8 @@
 """POST /v1/messages: the Anthropic Messages API, whole or as its stream of named events; and
 POST /v1/messages/count_tokens, the length of the prompt a request would send.
 
-stop_reason: end_turn (the model ended its turn), max_tokens, stop_sequence (one of the caller's
+stop_reason: end_turn (the model ended its turn), max_tokens, model_context_window_exceeded (the context
+had no room left), stop_sequence (one of the caller's
 stop_sequences, named in stop_sequence), tool_use (the reply calls tools: a tool_use block each, streamed
 as content_block_start and input_json_delta fragments). A thinking model's thought is a thinking block
 before the others (streamed as thinking_delta events), its signature empty: a local model has nothing to
@@ -24,15 +25,25 @@ from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .openai_routes import check_model
 from .schemas import CountTokensRequest, MessagesRequest, anthropic_param, messages_job
-from .sse import stream_response
+from .sse import heartbeat, stream_response
 
 
 def _stop_reason(f: Finished, tool_use: bool = False) -> str:
     if tool_use:
         return "tool_use"
+    if f.context_full:  # Anthropic's own reason: a client that continues a max_tokens reply would overflow
+        return "model_context_window_exceeded"
     if f.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if f.stop_sequence is not None else "end_turn"
+
+
+def _usage(f: Finished) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt's uncached tokens, cache_read_input_tokens the ones the
+    slot's context or the prompt cache already held (as llama-server counts them)."""
+    cached = f.stats.n_cached_tokens
+    return {"input_tokens": f.n_prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": len(f.tokens)}
 
 
 def router(engine: Engine) -> APIRouter:
@@ -63,7 +74,7 @@ def router(engine: Engine) -> APIRouter:
                 return {
                     **message, "content": content,
                     "stop_reason": _stop_reason(event, bool(calls)), "stop_sequence": event.stop_sequence,
-                    "usage": {"input_tokens": event.n_prompt, "output_tokens": len(event.tokens)},
+                    "usage": _usage(event),
                     "timings": event.timings, "dflash": event.dflash,
                 }
         raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
@@ -101,12 +112,15 @@ async def _events(run: Run, message: dict[str, Any], n_prompt: int) -> AsyncIter
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {})
     try:
-        async for event in run.events():
+        async for event in heartbeat(run.events()):
+            if event is None:
+                yield _event("ping", {})
+                continue
             if isinstance(event, Finished):
                 yield _event("content_block_stop", {"index": 0})
                 yield _event("message_delta", {
                     "delta": {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_sequence},
-                    "usage": {"output_tokens": len(event.tokens)}, "timings": event.timings, "dflash": event.dflash})
+                    "usage": _usage(event), "timings": event.timings, "dflash": event.dflash})
                 yield _event("message_stop", {})
                 return
             if event.text:
@@ -155,14 +169,17 @@ async def _block_events(run: Run, message: dict[str, Any], n_prompt: int, reader
                 yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
 
     try:
-        async for event in run.events():
+        async for event in heartbeat(run.events()):
+            if event is None:
+                yield _event("ping", {})
+                continue
             if isinstance(event, Finished):
                 for e in [*blocks(reader.finish()), *close()]:
                     yield e
                 yield _event("message_delta", {
                     "delta": {"stop_reason": _stop_reason(event, bool(reader.calls)),
                               "stop_sequence": event.stop_sequence},
-                    "usage": {"output_tokens": len(event.tokens)}, "timings": event.timings, "dflash": event.dflash})
+                    "usage": _usage(event), "timings": event.timings, "dflash": event.dflash})
                 yield _event("message_stop", {})
                 return
             for e in blocks(reader.feed(event.text)):

@@ -19,7 +19,8 @@ from typing import Sequence
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
 from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
                       add_arguments, from_arguments)
-from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
+from .config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig, default_cache_ram,
+                     default_max_body, machine_memory)
 
 PROG = "dflash-serve"
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
@@ -35,12 +36,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
     p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
-    add_arguments(p, SessionOptions, SESSION)  # per slot
+    memory = machine_memory()
+    # per slot; the context defaults to the model's trained context (agents' prompts are 7-30k tokens)
+    add_arguments(p, SessionOptions, SESSION, n_ctx=None)
     add_arguments(p, GenerationConfig, GENERATION)  # server-wide; each request's own fields apply over them
-    add_arguments(p, CacheOptions, PROMPT_CACHE_SETTINGS)  # one prompt cache, shared by every slot
+    # one prompt cache, shared by every slot; its RAM tier sized from this machine's memory
+    add_arguments(p, CacheOptions, PROMPT_CACHE_SETTINGS, cache_ram=default_cache_ram(memory))
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="a reply's length when the request names none; 0: up to the end of the context "
+                        f"(default {DEFAULT_MAX_TOKENS}); a request's own is clamped to what the context has left")
     p.add_argument("--model-alias", default=DEFAULT_MODEL_ALIAS, help=f"the model id clients name (default {DEFAULT_MODEL_ALIAS!r})")
-    p.add_argument("--accept-any-model", action="store_true", help="answer any `model` a client names (agents send their own)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument("--accept-any-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="answer whatever `model` a client names (agents send their own; default: on, as llama-server "
+                        "does with one model); --no-accept-any-model: any other name is a 404")
+    p.add_argument("--max-body-bytes", type=int, default=default_max_body(memory),
+                   help="request body limit (default: a thousandth of this machine's memory, 16-256 MiB: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -63,8 +73,43 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
         p.error("--model-alias must not be empty")
     if a.api_key is not None and not a.api_key:
         p.error("--api-key must not be empty")
+    if a.max_tokens < 0:
+        p.error(f"--max-tokens must be >= 0, got {a.max_tokens}")
+    a.n_ctx_train = _trained_context(p, a.target)
+    if a.n_ctx is None:
+        a.n_ctx = a.n_ctx_train or SessionOptions().n_ctx
     return (from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION),
             from_arguments(p, CacheOptions, a, PROMPT_CACHE_SETTINGS))
+
+
+def _trained_context(p: argparse.ArgumentParser, target: Path | None) -> int | None:
+    """The target's trained context from its GGUF header (None where it does not say)."""
+    from .. import defaults
+    from ..target_gguf import trained_context
+
+    try:
+        return trained_context(defaults.embedded_target() if target is None else target)
+    except ValueError as e:
+        p.error(str(e).splitlines()[0])
+        raise
+
+
+def _said_at_start(a: argparse.Namespace, cache: CacheOptions) -> list[str]:
+    """What the server chose for an agent out of the box, said once at start-up, and the one warning."""
+    lines = [f"context {a.n_ctx} tokens per slot ({'the model' if a.n_ctx == a.n_ctx_train else '--n-ctx'}"
+             f"{'' if a.n_ctx_train is None else f'; trained for {a.n_ctx_train}'}), replies up to "
+             f"{a.max_tokens or 'the end of the context'} tokens unless a request says, prompt cache "
+             f"{_mib(cache.cache_ram)} in RAM{'' if cache.cache_dir is None else f' + {cache.cache_dir}'}, "
+             f"request bodies up to {_mib(a.max_body_bytes)}, "
+             f"{'any model name answered' if a.accept_any_model else f'only model {a.model_alias!r} answered'}"]
+    if a.n_ctx_train is not None and a.n_ctx > a.n_ctx_train:
+        lines.append(f"warning: --n-ctx {a.n_ctx} is past the {a.n_ctx_train} tokens the model was trained for: "
+                     "replies past that point may lose coherence")
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
 def is_loopback(host: str) -> bool:
@@ -146,9 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = ServerConfig(model_alias=a.model_alias, api_key=a.api_key, max_queue=a.queue,
                               max_body_bytes=a.max_body_bytes, generation=generation,
-                              accept_any_model=a.accept_any_model, created=int(time.time()))
+                              max_tokens=a.max_tokens or None, accept_any_model=a.accept_any_model,
+                              created=int(time.time()))
         app = create_app(sessions, config)
         host, port = sock.getsockname()[:2]
+        for line in _said_at_start(a, cache):
+            print(f"{PROG}: {line}", file=sys.stderr)
         print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
               file=sys.stderr, flush=True)
         server = Server(uvicorn.Config(app, log_level=a.log_level, timeout_graceful_shutdown=10,

@@ -66,6 +66,7 @@ class Finished:
     timings: dict[str, Any]
     dflash: dict[str, Any]
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
+    context_full: bool = False  # the reply ended because the context had no room left (finish_reason "length")
 
 
 class Engine:
@@ -81,6 +82,10 @@ class Engine:
     def n_ctx(self) -> int:
         return self.pool.slots[0].session.target.n_ctx_seq
 
+    @property
+    def n_ctx_train(self) -> int:
+        return self.pool.slots[0].session.target.n_ctx_train
+
     def prepare(self, job: Job) -> Prepared:
         """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments."""
         t0 = time.perf_counter()
@@ -91,8 +96,11 @@ class Engine:
             raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
                            "for at least one more", param="messages" if job.messages is not None else "prompt",
                            code="context_length_exceeded")
+        room = self.n_ctx - len(tokens)  # what the context has left for the reply
+        gen = {"max_tokens": self.config.max_tokens, **job.gen}
+        gen["max_tokens"] = room if gen["max_tokens"] is None else min(gen["max_tokens"], room)
         try:  # checked here, before a slot is taken; the request's own field names are the config's
-            config = GenerationConfig.build(self.config.generation, **job.gen, stop=job.user_stops)
+            config = GenerationConfig.build(self.config.generation, **gen, stop=job.user_stops)
             config.sampling.check_vocab(target.n_vocab)
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
@@ -250,6 +258,7 @@ class Run:
                     n_prompt=len(self.prepared.tokens), stats=stats, timings=llama_timings(stats),
                     dflash=dflash_figures(stats, blocks, slot=self.slot.id, queue_ms=self.queue_s * 1000.0),
                     logprobs=tuple(logprobs),
+                    context_full=finish == "length" and len(self.prepared.tokens) + len(tokens) >= self.engine.n_ctx,
                 )
         finally:
             self.cancel()  # the consumer stopped early (a closed stream): stop at the next cycle

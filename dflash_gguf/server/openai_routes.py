@@ -31,12 +31,14 @@ from .sse import stream_response
 def check_model(engine: Engine, model: str | None) -> None:
     cfg = engine.config
     if model and model != cfg.model_alias and not cfg.accept_any_model:
-        raise APIError(404, f"the model {model!r} does not exist here; this server serves {cfg.model_alias!r}",
-                       param="model", code="model_not_found")
+        raise APIError(404, f"the model {model!r} does not exist here; this server serves {cfg.model_alias!r} "
+                       "(started with --no-accept-any-model)", param="model", code="model_not_found")
 
 
-def _usage(f: Finished) -> dict[str, int]:
-    return {"prompt_tokens": f.n_prompt, "completion_tokens": len(f.tokens), "total_tokens": f.n_prompt + len(f.tokens)}
+def _usage(f: Finished) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the slot's context or the prompt cache already held."""
+    return {"prompt_tokens": f.n_prompt, "completion_tokens": len(f.tokens), "total_tokens": f.n_prompt + len(f.tokens),
+            "prompt_tokens_details": {"cached_tokens": f.stats.n_cached_tokens}}
 
 
 def router(engine: Engine) -> APIRouter:
@@ -46,7 +48,12 @@ def router(engine: Engine) -> APIRouter:
     async def models() -> dict[str, Any]:
         out: ModelList = {"object": "list", "data": [{"id": engine.config.model_alias, "object": "model", "owned_by": "dflash-gguf",
                                             "permissions": []}]}
-        out["data"][0]["created"] = engine.config.created  # OpenAI's field, absent from llama_cpp's ModelData
+        # OpenAI's `created`; the context as OpenRouter names it (agents size their prompts by it) and as
+        # llama-server's meta does; whether another model name is answered too
+        out["data"][0].update({"created": engine.config.created, "context_length": engine.n_ctx,  # type: ignore[typeddict-unknown-key]
+                               "meta": {"n_ctx": engine.n_ctx, "n_ctx_train": engine.n_ctx_train,
+                                        "max_tokens": engine.config.max_tokens,
+                                        "accepts_any_model_name": engine.config.accept_any_model}})
         return out
 
     @r.post("/v1/chat/completions")

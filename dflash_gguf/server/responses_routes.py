@@ -14,6 +14,7 @@ next assistant turn's reasoning_content; `reasoning.effort` "none" turns the tem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -28,8 +29,8 @@ from ..tool_calls import CallDelta, ToolCall
 from .engine import Engine, Finished, Prepared, Run
 from .errors import APIError
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _refuse, _sampling, template_variables
-from .sse import stream_response
+from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, template_variables
+from .sse import heartbeat, stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
 # `include` values that ask for nothing this server could add (a local model has no encrypted reasoning)
@@ -69,6 +70,7 @@ class ResponsesRequest(BaseModel):
     safety_identifier: Optional[str] = None
     service_tier: Optional[str] = None
     user: Optional[str] = None
+    client_metadata: Optional[dict[str, Any]] = None  # Codex's ids for its own logs
 
 
 class ResponseStore:
@@ -112,26 +114,51 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         conversation = [{"role": "system", "content": req.instructions}, *conversation]
     conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())})
     gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
-    gen["max_tokens"] = req.max_output_tokens
+    gen |= _max_tokens(req.max_output_tokens)
     reasoning = req.reasoning or {}
     unknown = sorted(set(reasoning) - REASONING_KEYS)
     if unknown:
         raise _refuse(f"reasoning.{unknown[0]}", "not supported")
-    return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools),
+    return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools)[0],
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort")), conversation
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools ({type, name, parameters, ...}) in the chat shape the Session checks."""
+# Hosted tools the client may list that this server does not run: the model is not offered them (OpenAI's own
+# API runs them itself; Codex lists web_search by default). Any other hosted tool is refused by name.
+NOT_OFFERED_TOOLS = frozenset({"web_search", "web_search_preview"})
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
+    """Responses function tools ({type, name, parameters, ...}) in the chat shape the Session checks, and the
+    namespace of each function that came inside a `namespace` tool (Codex groups its sub-agent tools so): the
+    model sees them as plain functions, and a call of one names its namespace in the function_call item."""
     if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
+        return None, {}
+    out: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+
+    def function(tool: dict[str, Any], where: str) -> None:
         if tool.get("type") != "function":
-            raise _refuse(f"tools.{i}.type", f"only function tools are served here, got {tool.get('type')!r}")
+            raise _refuse(f"{where}.type", f"only function tools are served here, got {tool.get('type')!r}")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-    return out
+
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind in NOT_OFFERED_TOOLS:
+            continue
+        if kind != "namespace":
+            function(tool, f"tools.{i}")
+            continue
+        name, inner = tool.get("name"), tool.get("tools")
+        if not isinstance(name, str) or not name:
+            raise _refuse(f"tools.{i}.name", "a namespace tool needs its name", "invalid_value")
+        if not isinstance(inner, list):
+            raise _refuse(f"tools.{i}.tools", "a namespace tool needs its list of function tools", "invalid_value")
+        for j, t in enumerate(inner):
+            function(t if isinstance(t, dict) else {}, f"tools.{i}.tools.{j}")
+            namespaces[str(t.get("name"))] = name
+    return out or None, namespaces
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
@@ -244,6 +271,18 @@ def _responses_param(param: str) -> str:
     return f"{head}.{rest}" if dot and head.startswith("tools.") else param
 
 
+@contextlib.contextmanager
+def _responses_terms() -> Iterator[None]:
+    """An APIError about a tool field, named in the Responses request's terms (tools.0.parameters)."""
+    try:
+        yield
+    except APIError as e:
+        if e.param is not None and e.param.startswith(("tools", "tool_choice")):
+            e.param = _responses_param(e.param)
+            e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
+        raise
+
+
 def router(engine: Engine) -> APIRouter:
     r = APIRouter()
     store = ResponseStore()
@@ -252,15 +291,11 @@ def router(engine: Engine) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         the_job, conversation = job(body, store)
-        try:
+        with _responses_terms():
             prepared = engine.prepare(the_job)
-        except APIError as e:
-            if e.param is not None and e.param.startswith(("tools", "tool_choice")):
-                e.param = _responses_param(e.param)
-                e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
-            raise
         run = await engine.start(prepared, request)
         shell = _shell(body, engine.config.model_alias)
+        namespaces = _tools(body.tools)[1]
 
         def finish(f: Finished, output: _Output) -> dict[str, Any]:
             """The whole response once the reply's output items are closed; stored when asked."""
@@ -275,14 +310,24 @@ def router(engine: Engine) -> APIRouter:
             return response
 
         if body.stream:
-            return stream_response(run, _events(run, shell, prepared.reader(), finish))
+            return stream_response(run, _events(run, shell, prepared.reader(), finish, namespaces))
         async for event in run.events():
             if isinstance(event, Finished):
-                output = _Output(lambda name, **data: {})  # a whole response: its events go nowhere
+                output = _Output(lambda name, **data: {}, namespaces)  # a whole response: its events go nowhere
                 list(output.feed(prepared.reader(), event.text, final=True))
                 output.close(_status(event))
                 return finish(event, output)
         raise _CANCELLED
+
+    @r.post("/v1/responses/input_tokens")
+    async def input_tokens(body: ResponsesRequest) -> dict[str, Any]:
+        """The prompt's length in tokens as /v1/responses would render it, refused as that request would be
+        (OpenAI's input-token count; nothing is generated)."""
+        check_model(engine, body.model)
+        the_job, _ = job(body, store)
+        with _responses_terms():
+            tokens = engine.prompt(the_job)[0]
+        return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @r.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:
@@ -347,8 +392,9 @@ class _Output:
     next one opens or the reply ends; `event` makes the stream event for each step (a no-op for a whole
     response)."""
 
-    def __init__(self, event: Event) -> None:
+    def __init__(self, event: Event, namespaces: dict[str, str] | None = None) -> None:
         self.event = event
+        self.namespaces = namespaces or {}  # a namespaced function's namespace, named in its call's item
         self.items: list[dict[str, Any]] = []
         self.content = ""
         self.thought = ""
@@ -404,8 +450,11 @@ class _Output:
     def _call(self, piece: CallDelta) -> Iterator[dict[str, str]]:
         if piece.id is not None:
             yield from self._close("completed")
-            yield from self._add({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": piece.id,
-                                  "name": piece.name, "arguments": "", "status": "in_progress"})
+            item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": piece.id,
+                    "name": piece.name, "arguments": "", "status": "in_progress"}
+            if piece.name in self.namespaces:
+                item["namespace"] = self.namespaces[piece.name]
+            yield from self._add(item)
         item = self._open
         if piece.arguments and item is not None:
             item["arguments"] += piece.arguments
@@ -444,7 +493,8 @@ class _Output:
 
 
 async def _events(run: Run, shell: dict[str, Any], reader: ReplyReader | None,
-                  finish: Callable[[Finished, _Output], dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
+                  finish: Callable[[Finished, _Output], dict[str, Any]], namespaces: dict[str, str],
+                  ) -> AsyncIterator[dict[str, str]]:
     """The Responses stream: created, each output item opened, its text or arguments in deltas, closed,
     then the whole response in response.completed (or response.incomplete at max_output_tokens)."""
     sequence = iter(range(1 << 62))
@@ -453,11 +503,14 @@ async def _events(run: Run, shell: dict[str, Any], reader: ReplyReader | None,
         return {"event": name, "data": json.dumps({"type": name, "sequence_number": next(sequence), **data},
                                                   ensure_ascii=False)}
 
-    output = _Output(event)
+    output = _Output(event, namespaces)
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
     try:
-        async for step in run.events():
+        async for step in heartbeat(run.events()):
+            if step is None:  # the Responses API has no ping: in_progress again says the response is alive
+                yield event("response.in_progress", response=shell)
+                continue
             if isinstance(step, Finished):
                 for e in [*output.feed(reader, "", final=True), *output.close(_status(step))]:
                     yield e

@@ -151,7 +151,11 @@ class AnthropicBlock(BaseModel):
 
 
 class AnthropicMessage(BaseModel):
-    role: Literal["user", "assistant"]
+    """A turn; `system` inside `messages` is Claude Code's mid-conversation system message (its
+    mid-conversation-system beta), rendered where it stands or, where the template refuses that, joined to the
+    leading system message (chat_template.place_system_messages)."""
+
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[AnthropicBlock]]
 
 
@@ -273,10 +277,9 @@ def chat_job(req: ChatCompletionRequest) -> Job:
         if role == "tool":
             message["tool_call_id"] = m.get("tool_call_id")
         messages.append(message)
-    max_tokens = req.max_completion_tokens or req.max_tokens or None
     gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req) | constraint
     gen["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
-    gen["max_tokens"] = max_tokens
+    gen |= _max_tokens(req.max_completion_tokens or req.max_tokens)
     stops = _stops(req.stop)
     return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
                tools=[dict(t) for t in req.tools] if req.tools else None, tool_choice=req.tool_choice,
@@ -299,7 +302,7 @@ def completion_job(req: CompletionRequest) -> Job:
     gen["logprobs"] = req.logprobs
     if req.grammar is not None:
         gen |= _constraint("grammar", req.grammar, "grammar")
-    gen["max_tokens"] = req.max_tokens or None  # 0 or None: up to the end of the context (llama_cpp's rule)
+    gen |= _max_tokens(req.max_tokens)
     return Job(None, prompt, gen, _stops(req.stop), req.stream,
                bool(req.stream_options and req.stream_options.include_usage))
 
@@ -392,6 +395,8 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
     tool_result blocks become tool messages (before the user's own text, as they answer the previous turn)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
+    if m.role == "system":
+        return [{"role": "system", "content": _anthropic_text(m.content, param)}]
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -563,6 +568,12 @@ def _penalties(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]
         "repeat_penalty": float(req.repeat_penalty), "repeat_last_n": int(req.repeat_last_n),
         "min_p": float(req.min_p), "logit_bias": dict(req.logit_bias or {}),
     }
+
+
+def _max_tokens(n: int | None) -> dict[str, Any]:
+    """A request's reply length; none named (or 0, llama_cpp's "no limit") leaves the server's --max-tokens.
+    The engine clamps it to what the context has left."""
+    return {"max_tokens": n} if n else {}
 
 
 def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ stream ends with its own closing events (an error event, then [DONE] for OpenAI)
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import anyio
 from sse_starlette.sse import EventSourceResponse
@@ -13,6 +13,29 @@ from .engine import Run
 
 PING_S = 15
 SHUTDOWN_GRACE_S = 5.0
+T = TypeVar("T")
+
+
+async def heartbeat(events: AsyncIterator[T], every: float = PING_S) -> AsyncIterator[T | None]:
+    """The events, with a None after each `every` seconds without one: a stream then sends its protocol's
+    own keep-alive event. Claude Code and Codex drop a stream after 300 s without an event (SSE comments do
+    not count), and a long cold prefill, or a tool call held back until it is whole, can take longer."""
+    source = events.__aiter__()
+    pending = asyncio.ensure_future(source.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(source.__anext__())
+    finally:
+        pending.cancel()
 
 
 def stream_response(run: Run, events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
