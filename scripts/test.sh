@@ -15,6 +15,8 @@ if [ ! -f "$src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" 
     tar -xzf "$src/llama_cpp_python-0.3.36.tar.gz" -C "$src"
 fi
 export DFLASH_LLAMA_CPP_SRC="$PWD/$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+# the real agent programs tests/test_agents.py runs against dflash-serve (npm and PyPI, pinned)
+bash scripts/install_agents.sh
 # one worker per core (at most 8), each taking whole files (--dist loadfile): a module's fixtures (its Sessions,
 # servers, built checkpoints) are made once, in one worker. Arguments come after, so "-n 0" runs in one process.
 python -m pytest -n auto --maxprocesses 8 --dist loadfile "$@"

@@ -71,6 +71,11 @@ def create_app(sessions: Sequence[Session], config: ServerConfig | None = None) 
     # where the slots' layers are, read while the Sessions are open (every slot opens with the same options)
     where = engine.pool.slots[0].session.placement
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> JSONResponse:
+        """What a client probing the server's address finds (Claude Code sends HEAD / first): where the API is."""
+        return JSONResponse({"name": "dflash-serve", "api": "/v1", "health": "/health"})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         pool = engine.pool

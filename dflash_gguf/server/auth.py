@@ -1,6 +1,7 @@
 """The API key guard: `Authorization: Bearer KEY` or `x-api-key: KEY`, compared in constant time.
 
-GET /health stays open (load balancers and launchers probe it); every other path needs the key.
+GET /health and / stay open (load balancers and launchers probe the one; Claude Code sends `HEAD /` before its
+first request, and takes a 401 there as the server's refusal); every other path needs the key.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:

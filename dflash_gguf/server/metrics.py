@@ -10,7 +10,7 @@ from collections import Counter
 from ..prompt_cache import PromptCache
 from ..stats import GenerationStats
 
-KNOWN_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health", "/metrics")
+KNOWN_ROUTES = ("/", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health", "/metrics")
 
 
 class Metrics:
