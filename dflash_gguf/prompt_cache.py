@@ -398,7 +398,10 @@ class PromptCache:
             log.warning("prompt cache: could not write %s: %s", path, e)
             with self._lock:
                 self._queued.pop(name, None)
-            temp.unlink(missing_ok=True)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory is gone or read-only: the warning above said what failed
 
     def _scan(self) -> None:
         """Bring the disk index up to date with the directory: new files' headers are read and checked,
