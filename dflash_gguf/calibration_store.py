@@ -5,8 +5,8 @@ adaptive cycle (timing.py; seconds on a CPU). The result depends only on the lib
 layers sit on, the models, the threads and the context settings, so it is saved under a key made of all of
 them, one JSON file per key, and reused while every part of the key is unchanged. A changed part is another
 key, so it is measured again; `recalibrate` measures again whatever is saved. A file that cannot be read,
-does not parse or belongs to another key is a miss, logged, never an error; so is a directory that cannot
-be written.
+does not parse or belongs to another key is a miss, logged, never an error (nor a hang: a FIFO or a device
+at the path is not read); so is a directory that cannot be written.
 
 Where: $DFLASH_CALIBRATION_DIR, else $XDG_CACHE_HOME/dflash-gguf/calibration, else
 ~/.cache/dflash-gguf/calibration.
@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -90,7 +91,7 @@ def load(key: Mapping[str, Any]) -> CostModel | None:
     another key's: logged and left to be overwritten by the next measurement)."""
     path = path_for(key)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_regular(path)
     except FileNotFoundError:
         log.info("calibration: none saved for this build, device, models and settings; measuring")
         return None
@@ -111,6 +112,22 @@ def load(key: Mapping[str, Any]) -> CostModel | None:
         return None
     log.info("calibration: reusing the costs saved in %s", path)
     return model
+
+
+def _read_regular(path: Path) -> str:
+    """The UTF-8 text of a regular file. The open does not block (a FIFO put at the path would wait for a
+    writer forever) and the descriptor is checked before anything is read: anything else is an OSError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"not a regular file (mode {stat.filemode(mode)})")
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        return f.read().decode("utf-8")
 
 
 def save(key: Mapping[str, Any], costs: CostModel) -> Path | None:

@@ -224,12 +224,16 @@ def decode_steps(
             for s in active:
                 s.observe(c)
 
-    # prefill the uncached prompt suffix in n_batch chunks; sources see every chunk
+    # prefill the uncached prompt suffix in n_batch chunks; sources see every chunk. The last prompt token is
+    # decoded alone, as it is after a restore or a reuse of the live context (they keep len(prompt) - 1 at
+    # most): batched with the rest, its logits differ (flash attention tiles a batch), and a prompt's greedy
+    # reply would depend on whether it was cached
     t0 = time.perf_counter()
     pos = keep
     hook = prefix_hook if prefix_hook is not None and keep < prefix_hook.n < len(prompt) else None
+    cuts = sorted({len(prompt) - 1, len(prompt)} | ({hook.n} if hook is not None else set()))
     while pos < len(prompt):
-        end = min(pos + target.n_batch, hook.n if hook is not None and pos < hook.n else len(prompt))
+        end = min(pos + target.n_batch, next(c for c in cuts if c > pos))
         target.decode(prompt[pos:end], pos, logits="last" if end == len(prompt) else False)
         commit(pos, prompt[pos:end])
         pos = end

@@ -5,12 +5,12 @@ A Snapshot holds everything a Session decodes on for a token prefix: the target'
 (attention KV and, on hybrid targets, the recurrent state) and the drafter's KV of injected features,
 as libllama's llama_state_seq bytes. Lookup returns the entry sharing the longest prefix with a prompt.
 
-Entries belong to a context: a hash of everything that shapes the bytes or the numbers in them (model
-files, drafter, n_ctx, n_batch, KV types, n_rs_seq, flash attention, libllama version). Only entries of
-the asking context are candidates. Disk entries are single files written to a temp name and renamed,
-so a reader never sees half of one; each is checked (magic, format, header, sizes, SHA-256) before its
-bytes reach libllama, and one that fails is a miss with a warning, never a crash or a wrong answer.
-A disk entry is written by the cache's writer thread, so a generation ends (and its reply leaves) without
+Entries belong to a context: a hash of everything that shapes the bytes or the numbers in them (the
+target and drafter files, by model_identity.file_identity, n_ctx, n_batch, KV types, n_rs_seq, flash
+attention, libllama version). Only entries of the asking context are candidates. Disk entries are
+single files written to a temp name and renamed, so a reader never sees half of one; each is checked
+(magic, format, header, sizes, SHA-256) before its bytes reach libllama, and one that fails is a miss
+with a warning, never a crash or a wrong answer. A disk entry is written by the cache's writer thread, so a generation ends (and its reply leaves) without
 waiting for the checksum and the write: until the file is in place the entry is served from memory, and
 flush() (called at exit) waits for what is queued. This module holds bytes only; the Session turns them
 into state (target.py, drafter.py call into C).
@@ -36,7 +36,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["CacheEvent", "PromptCache", "Snapshot", "context_id", "parse_size"]
+from .model_identity import file_identity
+
+__all__ = ["CacheEvent", "PromptCache", "Snapshot", "context_id", "file_identity", "parse_size"]
 
 log = logging.getLogger("dflash_gguf.prompt_cache")
 
@@ -67,17 +69,6 @@ def context_id(settings: Mapping[str, Any]) -> str:
     """The identity of a decoding context: entries saved under one id restore only into the same id."""
     text = json.dumps({"format": FORMAT, **settings}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def file_identity(path: str | os.PathLike[str] | None) -> str | None:
-    """A model file's identity for context_id: its size and the SHA-256 of its first MiB (the GGUF header,
-    metadata and tensor index: another quantisation or another model differs there)."""
-    if path is None:
-        return None
-    p = Path(path)
-    with p.open("rb") as f:
-        head = f.read(1 << 20)
-    return f"{p.stat().st_size}:{hashlib.sha256(head).hexdigest()}"
 
 
 @dataclass(frozen=True)
@@ -407,7 +398,10 @@ class PromptCache:
             log.warning("prompt cache: could not write %s: %s", path, e)
             with self._lock:
                 self._queued.pop(name, None)
-            temp.unlink(missing_ok=True)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory is gone or read-only: the warning above said what failed
 
     def _scan(self) -> None:
         """Bring the disk index up to date with the directory: new files' headers are read and checked,

@@ -11,6 +11,9 @@
 # default .cache/vulkan/venv), reused while it imports with a Vulkan device. Debian/Ubuntu only for the
 # packages; elsewhere install a Vulkan driver, loader headers >= 1.4, glslc and glslang-tools yourself.
 set -euo pipefail
+# every failing step says what failed (set -e alone exits with the failing command's status and no word)
+step="setting up"
+trap 'rc=$?; echo "test_vulkan: failed while $step: \`$BASH_COMMAND\` exited with status $rc (line $LINENO)" >&2' ERR
 cd "$(dirname "$0")/.."
 root="$PWD"
 cache="$root/.cache/vulkan"
@@ -24,9 +27,12 @@ sudo=""
 # (docs/BACKENDS.md); bookworm-backports carries Mesa 25.0.7 built for Debian 12's libc, so on bookworm it
 # comes from there (the other installed Mesa packages are upgraded with it).
 mesa_min=25
-mesa_version() { dpkg-query -W -f='${Status} ${Version}' mesa-vulkan-drivers 2>/dev/null | sed -n 's/^install ok installed //p'; }
+step="checking for Mesa's Vulkan driver (mesa-vulkan-drivers >= $mesa_min)"
+# empty when not installed (dpkg-query then exits 1, which pipefail would make the script's exit)
+mesa_version() { { dpkg-query -W -f='${Status} ${Version}' mesa-vulkan-drivers 2>/dev/null || true; } | sed -n 's/^install ok installed //p'; }
 mesa=$(mesa_version)
 if [ -z "$mesa" ] || dpkg --compare-versions "$mesa" lt "$mesa_min"; then
+    step="adding a package source for Mesa >= $mesa_min (installed: ${mesa:-none})"
     suite=()
     if [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = bookworm ]; then
         if ! apt-cache policy | grep -q "bookworm-backports/main"; then
@@ -36,6 +42,7 @@ if [ -z "$mesa" ] || dpkg --compare-versions "$mesa" lt "$mesa_min"; then
         fi
         suite=(-t bookworm-backports)
     fi
+    step="installing mesa-vulkan-drivers ${suite[*]:-}"
     echo "test_vulkan: installing mesa-vulkan-drivers ${suite[*]:-} (installed: ${mesa:-none})"
     $sudo apt-get update -q
     $sudo apt-get install -y -q "${suite[@]}" mesa-vulkan-drivers
@@ -45,6 +52,7 @@ if [ -z "$mesa" ] || dpkg --compare-versions "$mesa" lt "$mesa_min"; then
 fi
 
 # 1b. the loader, the shader compilers and the headers ggml-vulkan's configure step checks for
+step="installing the Vulkan loader, headers and shader compilers"
 packages="libvulkan-dev glslc glslang-tools spirv-headers vulkan-tools"
 missing=""
 for p in $packages; do
@@ -60,6 +68,7 @@ fi
 # Debian 12 ships 1.3.239: take Debian 13's libvulkan-dev headers, unpacked into the cache and never
 # installed (installing that package would pull trixie's libc). The trixie suite is added at pin priority
 # 50, so apt never prefers any of its packages over the system's.
+step="getting Vulkan-Hpp headers with vk::LayerSettingEXT (Debian trixie's libvulkan-dev, unpacked)"
 include=""
 if ! grep -q LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp 2>/dev/null; then
     include="$cache/headers/usr/include"
@@ -97,7 +106,8 @@ sys.exit(0 if libggml.ggml_backend_reg_by_name(b"Vulkan") else 1)
 EOF
 }
 if [ ! -x "$venv/bin/python" ] || ! has_vulkan; then
-    echo "test_vulkan: building llama-cpp-python 0.3.36 with Vulkan into $venv"
+    step="building llama-cpp-python 0.3.36 with Vulkan into $venv"
+    echo "test_vulkan: $step"
     start=$(date +%s)
     rm -rf "$venv"
     python3 -m venv "$venv"
@@ -112,8 +122,10 @@ if [ ! -x "$venv/bin/python" ] || ! has_vulkan; then
     echo "test_vulkan: llama-cpp-python built in $(( $(date +%s) - start )) s"
     has_vulkan || { echo "test_vulkan: the build in $venv has no Vulkan backend" >&2; exit 1; }
 fi
+step="installing dflash-gguf and its test dependencies into $venv"
 "$venv/bin/python" -m pip install -q -e ".[test]"
 "$venv/bin/python" -m pip show -q dflash >/dev/null 2>&1 || "$venv/bin/python" -m pip install -q --no-deps "dflash==0.1.0"
+step="fetching llama-cpp-python 0.3.36's source (the tests' upstream llama.cpp tools)"
 src="$root/.cache/upstream"
 if [ ! -f "$src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
     mkdir -p "$src"
@@ -125,6 +137,7 @@ export DFLASH_LLAMA_CPP_SRC="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
 # 4. the tier: the lossless tests as they are, every model loaded with every layer on the device
 # (tests/offload_all.py), compared with plain decoding on the same backend; then the device-only checks.
 # Arguments replace the default selection: scripts/test_vulkan.sh tests/test_vulkan.py -x
+step="running the tier"
 tests=()
 while read -r line; do tests+=("$line"); done < <(grep -Ev '^[[:space:]]*(#|$)' scripts/lossless_tier.txt)  # shared with gpu_check.sh
 [ $# -eq 0 ] || tests=("$@")

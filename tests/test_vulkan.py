@@ -64,9 +64,14 @@ def test_a_block_16_generation_after_a_plain_one(request, flash_attn):
     """
     from offload_all import DEVICES, MESA
 
-    done = subprocess.run([sys.executable, "-c", CRASH_CASE, flash_attn], capture_output=True, text=True, timeout=3600)
     mesa = request.config.stash[MESA]
-    old_lavapipe = any("llvmpipe" in d for d in request.config.stash[DEVICES]) and mesa is not None and mesa < (25,)
+    lavapipe = any("llvmpipe" in d for d in request.config.stash[DEVICES])
+    old_lavapipe = lavapipe and mesa is not None and mesa < (25,)
+    if flash_attn == "off" and lavapipe and not old_lavapipe:
+        pytest.skip("the flash-attention-off control of Mesa 22's crash: from Mesa 25 on the 'on' case must "
+                    "complete, and on a cold Mesa shader cache lavapipe's LLVM compiled this case's verify "
+                    "pipelines for over 25 minutes (issue 35); GPUs run it (scripts/gpu_check.sh)")
+    done = subprocess.run([sys.executable, "-c", CRASH_CASE, flash_attn], capture_output=True, text=True, timeout=3600)
     if flash_attn == "on" and old_lavapipe:
         assert done.returncode == -signal.SIGSEGV, f"exit {done.returncode}: Mesa {mesa} no longer crashes here, move the pin"
     else:

@@ -12,20 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
+from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser, positive_int
 from dflash_gguf.config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 
 from .peers import PEERS
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 GENERATION = ("max_tokens", "block_size", "forced_drafts")  # greedy always: outputs are compared token for token
@@ -39,13 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prompts", type=Path, help="prompts JSONL ({id, category, prompt}); default: the built-in suite")
     p.add_argument("--categories", nargs="+", default=[], help="only these categories")
-    p.add_argument("--limit", type=_positive, help="at most N prompts per category")
+    p.add_argument("--limit", type=positive_int, help="at most N prompts per category")
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--drafter", type=Path,
                    help="dflash drafter GGUF (default: the shipped drafter); with --kernels, also time its passes")
     add_arguments(p, GenerationConfig, GENERATION, max_tokens=128)
     add_arguments(p, SessionOptions, SESSION, n_ctx=2048)
-    p.add_argument("--repeats", type=_positive, default=2,
+    p.add_argument("--repeats", type=positive_int, default=2,
                    help="timed runs per mode and prompt, interleaved (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both"],

@@ -12,7 +12,6 @@ Steps each run yielded, and every speedup is stats.speedup.
 from __future__ import annotations
 
 import resource
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Callable, Sequence
 from dflash_gguf.train.prompts import Prompt
 
 from dflash_gguf.config import GenerationConfig, SessionOptions
-from dflash_gguf.steps import Step, StepKind
+from dflash_gguf.lockstep import lockstep, order
 from dflash_gguf.target import default_threads
 
 from . import peers as peer_runs
@@ -95,28 +94,12 @@ def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[s
     A prompt's schema constrains every mode alike (plain constrained against speculative constrained).
     """
     base = config.generation if schema is None else replace(config.generation, json_schema=schema)
-    streams = {m: iter(chat_steps(sessions[m], messages, replace(base, speculative=m != "plain"))) for m in modes}
-    steps: dict[str, list[Step]] = {m: [] for m in modes}
-    spent = dict.fromkeys(modes, 0.0)
-    ttft = dict.fromkeys(modes, 0.0)
-    live = list(modes)
-    while live:
-        for mode in list(live):
-            start = time.perf_counter()
-            step = next(streams[mode], None)
-            spent[mode] += time.perf_counter() - start
-            if step is None:
-                live.remove(mode)
-                continue
-            steps[mode].append(step)
-            if step.kind is StepKind.PREFILL:
-                ttft[mode] = spent[mode]
+    runs = lockstep({m: iter(chat_steps(sessions[m], messages, replace(base, speculative=m != "plain"))) for m in modes})
     out = []
     for mode in modes:
-        stats = sessions[mode].last_stats
-        tokens = [t for step in steps[mode] for t in step.tokens]
-        out.append(Generation(mode, repeat, tokens, prefill_s=stats.prefill_s, ttft_s=ttft[mode],
-                              decode_s=spent[mode] - ttft[mode], steps=steps[mode], stats=stats))
+        stats, run = sessions[mode].last_stats, runs[mode]
+        out.append(Generation(mode, repeat, run.tokens, prefill_s=stats.prefill_s, ttft_s=run.ttft_s,
+                              decode_s=run.spent_s - run.ttft_s, steps=run.steps, stats=stats))
     return out
 
 
@@ -235,7 +218,7 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
     for i, p in enumerate(config.prompts, 1):
         runs = [
             g for r in range(config.repeats)
-            for g in lockstep_generations(sessions, _conversation(p), _order(config.modes, r), r, config, p.schema)
+            for g in lockstep_generations(sessions, _conversation(p), order(tuple(config.modes), r), r, config, p.schema)
         ]
         results.append(PromptResult(p.id, p.category, runs))
         figures = ", ".join(
@@ -243,11 +226,6 @@ def _run_prompts(sessions: dict, config: BenchConfig, progress: Callable[[str], 
         )
         progress(f"[{i}/{len(config.prompts)}] {p.id}: speedup {figures}")
     return results
-
-
-def _order(modes: Sequence[str], repeat: int) -> Sequence[str]:
-    """The modes' turn order in this repeat: forwards, then backwards, so no mode always goes first."""
-    return modes if repeat % 2 == 0 else modes[::-1]
 
 
 def _run_peers(
