@@ -33,7 +33,7 @@ from .sources import Candidate, Commit, DraftSource, Offer
 from .target import FeatureRows, NativeResource, Target, new_context
 
 MTP_SOURCE = "mtp"
-DEFAULT_MAX_DRAFT = 8  # upstream's --spec-draft-n-max for MTP is 3..8; one head's drafts rarely pass deeper
+DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
 PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: trained heads pass ~0.6-0.8 of first drafts
 _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
 
@@ -177,6 +177,7 @@ class MTPSource(DraftSource):
         self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
         self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
         self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
+        self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
 
     def cached(self) -> int:
         return self._n + len(self._tokens)
@@ -205,7 +206,9 @@ class MTPSource(DraftSource):
         return self.max_draft
 
     def offer(self, last: int, n_past: int, n_max: int) -> Offer:
-        return Offer(self.name, n_max, self.stats.expected_tokens(_DEPTH0, min(n_max, self.max_draft)))
+        if self._offer.n_max != n_max:
+            self._offer = Offer(self.name, n_max, self.stats.expected_tokens(_DEPTH0, min(n_max, self.max_draft)))
+        return self._offer
 
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
@@ -228,6 +231,7 @@ class MTPSource(DraftSource):
             while k < min(len(drafted), len(got)) and drafted[k] == got[k]:
                 k += 1
             self.stats.observe(_DEPTH0, len(drafted), k)
+            self._offer = Offer(self.name, 0)
         self._proposed = None
         # token i is paired with the target's row i - 1 of this batch, the first with the carry
         stride = self.heads.n_embd * 4
@@ -237,7 +241,7 @@ class MTPSource(DraftSource):
         if n > 1:
             ctypes.memmove(dst + stride, src, (n - 1) * stride)
         ctypes.memmove(self._carry.ctypes.data, src + (n - 1) * stride, stride)
-        self._tokens.extend(int(t) for t in commit.tokens)
+        self._tokens += commit.tokens
 
     def finish(self) -> None:
         if self._tokens:

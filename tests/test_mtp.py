@@ -150,7 +150,8 @@ def test_greedy_output_is_plain_decoding_with_mtp_alone(mtp_target, reference, b
         assert mtp is not None and mtp.n_drafted > 0
         if block is not None:
             # a fixed block drafts every cycle but the last (max_tokens leaves it no room for a draft)
-            assert r.stats.plain_cycles <= 1 and mtp.n_drafted >= (r.stats.cycles - 1) * (block - 1) // 2
+            per_cycle = min(block - 1, s._mtp.max_draft)
+            assert r.stats.plain_cycles <= 1 and mtp.n_drafted >= (r.stats.cycles - 1) * per_cycle // 2
 
 
 @pytest.mark.parametrize("block", [4, None])
@@ -180,14 +181,16 @@ def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
             assert r.stats.per_source[MTP_SOURCE].n_drafted > 0, f"block {block}"
 
 
-def test_random_heads_are_learnt_to_fail(mtp_target, reference):
-    """A random head's drafts fail, and MTP's own acceptance model learns it: its offer shrinks to little more
-    than the bonus token, so the policy verifies short blocks or none (the bench measures what that costs)."""
+def test_random_heads_are_set_aside(mtp_target, reference):
+    """A random head's drafts fail and cost a model pass each: MTP's acceptance model learns the first, the
+    policy's per-source draft costs the second (kept across generations), so it soon decodes plainly."""
     prompt, want = reference
     with open_session(mtp_target, lookup=False) as s:
-        r = s.generate(prompt, max_tokens=len(want))
-        mtp = r.stats.per_source[MTP_SOURCE]
-        assert mtp.n_accepted <= mtp.n_drafted // 4
-        expected = s._mtp.offer(want[-1], len(s._cache.tokens), 8).expected
-        assert expected[1] < 1.25 and expected[-1] < 1.4
-        assert mtp.n_drafted < 2 * r.stats.cycles
+        prior = s._mtp.offer(0, 0, 3).expected
+        runs = [s.generate(prompt, max_tokens=len(want)) for _ in range(2)]
+        for r in runs:
+            mtp = r.stats.per_source[MTP_SOURCE] if MTP_SOURCE in r.stats.per_source else None
+            assert mtp is None or (mtp.n_accepted <= mtp.n_drafted // 4 and mtp.cycles < r.stats.cycles // 4)
+        learnt = s._mtp.offer(want[-1], len(s._cache.tokens), 3).expected
+        assert learnt[1] < prior[1] and learnt[-1] < prior[-1]
+        assert runs[1].stats.plain_cycles >= runs[0].stats.plain_cycles
