@@ -53,6 +53,9 @@ def main() -> None:
         # the control: plain decoding again on its own Session: what the order of turns and the machine's
         # noise alone make of a ratio that should read 1
         "plain again": Session(trunk, None, options, lookup=False),
+        # any draft source's loop on the same trunk (lookup finds nothing to copy on this random model): what
+        # offering, observing and the rollback memory cost per cycle, MTP or not
+        "lookup (trunk)": Session(trunk, None, options, lookup=True),
         "mtp": Session(target, None, options, lookup=False),
         "mtp+lookup": Session(target, None, options, lookup=True),
     }

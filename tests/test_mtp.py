@@ -194,3 +194,36 @@ def test_random_heads_are_set_aside(mtp_target, reference):
         learnt = s._mtp.offer(want[-1], len(s._cache.tokens), 3).expected
         assert learnt[1] < prior[1] and learnt[-1] < prior[-1]
         assert runs[1].stats.plain_cycles >= runs[0].stats.plain_cycles
+
+
+def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_target):
+    """Block 2 at temperature 0.6: the second token of a reply is verified against an MTP draft (a point
+    mass: accepted with the target's probability of it, else drawn from the rest). Its law given the first
+    token is the target's; a loop that took the head's token as drafted would be told apart."""
+    from chi_square import chi_square_p_value
+    from test_session_sampling import ALPHA, next_token_probs
+
+    with open_session(mtp_target, lookup=False) as s, \
+            Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as reference:
+        runs = [s.generate("Good morning!", max_tokens=3, temperature=0.6, seed=seed, block_size=2) for seed in range(240)]
+        runs = [r for r in runs if len(r.tokens) >= 2]
+        assert all(r.stats.per_source[MTP_SOURCE].n_drafted >= 1 for r in runs)
+        firsts = [r.tokens[0] for r in runs]
+        first = max(set(firsts), key=firsts.count)
+        after = [r.tokens[1] for r in runs if r.tokens[0] == first]
+        assert len(after) > 60
+        prompt = reference.tokenize("Good morning!")
+        probs = next_token_probs(reference, prompt + [first], SamplingParams(temperature=0.6))
+        assert chi_square_p_value(after, probs) > ALPHA
+        # the head's draft after `first`, which a loop accepting drafts unverified would emit every time
+        with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
+            source = MTPSource(t)
+            try:
+                t.decode(prompt, 0)
+                source.observe(Commit(0, prompt, sequence=list(prompt)))
+                draft = int(source.propose(first, len(prompt), 1, SamplingParams(), np.random.default_rng(0)).tokens[0])
+            finally:
+                source.close()
+        forced = np.zeros_like(probs)
+        forced[draft] = 1.0
+        assert chi_square_p_value(after, forced) < ALPHA
