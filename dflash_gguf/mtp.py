@@ -176,6 +176,8 @@ class MTPSource(DraftSource):
         self._tokens: list[int] = []  # committed since, positions _n.., waiting for one batch
         self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
         self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
+        self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
+        self._stride = self.heads.n_embd * 4  # bytes per row
         self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
         self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
 
@@ -233,15 +235,27 @@ class MTPSource(DraftSource):
             self.stats.observe(_DEPTH0, len(drafted), k)
             self._offer = Offer(self.name, 0)
         self._proposed = None
+        if self.target.nextn_rows < n:
+            self._skip(commit.start + n)
+            return
         # token i is paired with the target's row i - 1 of this batch, the first with the carry
-        stride = self.heads.n_embd * 4
+        stride, carry = self._stride, self._carry_address
         src = self.target.nextn_address(n)
         dst = self._rows.reserve(n)
-        ctypes.memmove(dst, self._carry.ctypes.data, stride)
+        ctypes.memmove(dst, carry, stride)
         if n > 1:
             ctypes.memmove(dst + stride, src, (n - 1) * stride)
-        ctypes.memmove(self._carry.ctypes.data, src + (n - 1) * stride, stride)
+        ctypes.memmove(carry, src + (n - 1) * stride, stride)
         self._tokens += commit.tokens
+
+    def _skip(self, end: int) -> None:
+        """Hold positions up to `end` with no MTP state: they came from a restored target state (the prompt
+        cache), which decoded nothing, so no row pairs with them. The head attends to what it holds (holes
+        are only fewer cells) and the next token pairs with no carry: drafts are poorer until the context
+        refills, and as lossless."""
+        self.finish()
+        self._n = end
+        self._carry[:] = 0.0
 
     def finish(self) -> None:
         if self._tokens:

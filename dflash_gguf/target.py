@@ -733,6 +733,11 @@ class Target(NativeResource):
         llama_ext.set_embeddings_nextn(self._ctx, True, False)
         self._nextn = True
 
+    @property
+    def nextn_rows(self) -> int:
+        """Batch rows of the last decode whose nextn row libllama holds (0 after a restored state)."""
+        return self._n_last if self._nextn and self._ctx is not None else 0
+
     def nextn_address(self, n_tokens: int) -> int:
         """Address of the nextn rows (n_embd floats each, row i at i * n_embd) of batch rows 0..n_tokens-1
         of the last decode; valid until the next decode."""

@@ -227,3 +227,21 @@ def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_ta
         forced = np.zeros_like(probs)
         forced[draft] = 1.0
         assert chi_square_p_value(after, forced) < ALPHA
+
+
+def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target, reference, tmp_path):
+    """The prompt cache restores the target's state, not the MTP context's (not stored yet): the restored
+    positions have no MTP state, and the Session still restores, drafts with the heads and matches plain."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    prompt, want = reference
+    cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
+    with Session(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, lookup=False,
+                 prompt_cache=cache) as s:
+        first = s.generate(prompt, max_tokens=len(want), block_size=3)
+        assert first.stats.prompt_cache.stored and first.tokens == want
+        with s.fork() as other:
+            again = other.generate(prompt, max_tokens=len(want), block_size=3)
+    assert again.stats.prompt_cache.tier == "ram" and again.stats.n_cached_tokens > 0
+    assert again.tokens == want
+    assert again.stats.per_source[MTP_SOURCE].n_drafted > 0
