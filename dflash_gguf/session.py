@@ -652,6 +652,11 @@ class Session:
         """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
         return self._lookup is not None
 
+    @property
+    def mtp(self) -> bool:
+        """Whether the target's own MTP heads draft among this Session's sources (mtp.MTPSource)."""
+        return self._mtp is not None
+
     @cached_property
     def placement(self) -> Placement:
         """Where the target's layers are: the backend and device its stats name (CPU unless offloaded)."""

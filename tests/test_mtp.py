@@ -245,3 +245,15 @@ def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target,
     assert again.stats.prompt_cache.tier == "ram" and again.stats.n_cached_tokens > 0
     assert again.tokens == want
     assert again.stats.per_source[MTP_SOURCE].n_drafted > 0
+
+
+def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, capsys):
+    import json
+
+    from dflash_gguf.doctor import main
+
+    assert main(["--target", str(mtp_target), "--n-ctx", "512", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "sources    lookup, mtp\n" in text and "the target's own MTP heads draft" in text
+    assert main(["--target", str(hybrid_models.target("qwen35")), "--n-ctx", "512", "--threads", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pair"]["sources"] == ["lookup"]
