@@ -22,6 +22,7 @@ each is accepted with the target's own probability of it, which keeps the output
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 from llama_cpp import llama_cpp as capi
@@ -30,7 +31,8 @@ from . import llama_ext
 from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
-from .target import FeatureRows, NativeResource, Target, new_context
+from .schema import Keys
+from .target import FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context
 
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
@@ -42,36 +44,66 @@ def mtp_unusable_reason(target: Target) -> str | None:
     """Why this target's MTP heads cannot draft here, or None when they can."""
     if target.n_mtp_heads == 0:
         return "the target has no MTP heads loaded (none in the GGUF, or opened without load_mtp)"
-    if target.n_mtp_heads > 1:
-        return (f"the target has {target.n_mtp_heads} chained MTP heads (step35 layout): "
-                "only a single trained head is driven here")
+    return _heads_reason(target.n_mtp_heads, "the target")
+
+
+def _heads_reason(n_heads: int, where: str) -> str | None:
+    if n_heads > 1:
+        return f"{where} has {n_heads} chained MTP heads (step35 layout): only a single trained head is driven here"
     if not llama_ext.mtp_api_present():
         return "this libllama lacks the nextn calls (llama_get_embeddings_nextn_ith, llama_set_nextn_layer_offset)"
     return None
 
 
+def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
+    """An MTP heads file (upstream's converter writes `mtp-*.gguf` with --mtp: the head, the embedding, the
+    output norm and head) loaded for this target, or ValueError saying why it does not fit it."""
+    model = load_model(path, n_gpu_layers=target.n_gpu_layers, load_mtp=True)
+    shared = SharedModel(model, owned=True)
+    arch = meta_str(model, Keys.ARCHITECTURE) or ""
+    n_heads = int(capi.llama_model_n_layer_nextn(model))
+    n_vocab = int(capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(model)))
+    n_embd = int(capi.llama_model_n_embd_out(model))
+    target_embd = int(capi.llama_model_n_embd_out(target.model))
+    reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
+              if arch != target.architecture else
+              "it holds no MTP heads" if n_heads == 0 else
+              f"its vocabulary has {n_vocab} tokens, the target's {target.n_vocab}" if n_vocab != target.n_vocab else
+              f"its rows are {n_embd} wide, the target's {target_embd}" if n_embd != target_embd else
+              _heads_reason(n_heads, "it"))
+    if reason is not None:
+        shared.release()
+        raise ValueError(f"{path}: not MTP heads for this target: {reason}")
+    return shared
+
+
 class MTPHeads(NativeResource):
-    """libllama's MTP context on a target's model: its own KV cache of the head's one attention layer.
+    """libllama's MTP context on a target's model (or on a heads file shipped apart from it, `heads`): its own
+    KV cache of the head's one attention layer, fed the target's rows (`ctx_other` is the target's context).
 
     `process` adds committed positions (token + the target's row before it), `draft` runs the head
     autoregressively after `last` and removes what it added.
     """
 
-    def __init__(self, target: Target, *, n_threads: int | None = None) -> None:
-        reason = mtp_unusable_reason(target)
-        if reason is not None:
-            raise ValueError(f"cannot draft with MTP heads: {reason}")
-        self._shared = target.shared_model()
+    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
+                 n_threads: int | None = None) -> None:
+        if heads is None:
+            reason = mtp_unusable_reason(target)
+            if reason is not None:
+                raise ValueError(f"cannot draft with MTP heads: {reason}")
+            self._shared = target.shared_model()
+        else:
+            self._shared = _load_heads(heads, target)
         try:
             threads = target.n_threads if n_threads is None else n_threads
             self._ctx = new_context(
-                target.model, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
+                self._shared.ptr, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
                 flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=capi.LLAMA_CONTEXT_TYPE_MTP,
             )
         except BaseException:
             self._shared.release()
             raise
-        self.n_embd = int(capi.llama_model_n_embd_out(target.model))
+        self.n_embd = int(capi.llama_model_n_embd_out(self._shared.ptr))
         self.n_vocab = target.n_vocab
         self.n_batch = target.n_batch
         self._mem = capi.llama_get_memory(self._ctx)
@@ -164,11 +196,12 @@ class MTPSource(DraftSource):
     name = MTP_SOURCE
     needs_features = False
 
-    def __init__(self, target: Target, *, max_draft: int = DEFAULT_MAX_DRAFT, n_threads: int | None = None,
-                 stats: LookupStats | None = None) -> None:
+    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
+                 max_draft: int = DEFAULT_MAX_DRAFT, n_threads: int | None = None, stats: LookupStats | None = None) -> None:
+        """heads: an `mtp-*.gguf` shipped apart from the target (None: the target's own, loaded with it)."""
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
-        self.heads = MTPHeads(target, n_threads=n_threads)
+        self.heads = MTPHeads(target, heads=heads, n_threads=n_threads)
         self.target = target
         self.max_draft = min(max_draft, target.n_batch - 1)
         self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)

@@ -44,11 +44,15 @@ def add_mtp_head(hf_dir: Path, *, seed: int = MTP_SEED) -> None:
     tmp.replace(path)
 
 
-def build_mtp_target(directory: Path, tokenizer_gguf: Path, *, seed: int = 0) -> Path:
-    """`directory`/qwen35-mtp.gguf: the qwen35 fixture with one random MTP head (nextn tensors of block N_LAYER)."""
+def build_mtp_target(directory: Path, tokenizer_gguf: Path, *, seed: int = 0, heads: bool = False) -> Path:
+    """`directory`/qwen35-mtp.gguf: the qwen35 fixture with one random MTP head (nextn tensors of block N_LAYER).
+    heads: also `directory`/mtp-qwen35.gguf, the head alone as upstream's converter ships it (--mtp), for the
+    trunk converted without it (hybrid_fixtures' qwen35: the same seed, --no-mtp)."""
     directory = Path(directory)
     hf_dir = save_hf_model("qwen35", directory / "qwen35-mtp-hf", seed=seed, mtp_num_hidden_layers=1)
     add_mtp_head(hf_dir)
+    if heads:
+        convert_target(hf_dir, directory / "mtp-qwen35.gguf", tokenizer_gguf, extra=["--mtp"])
     return convert_target(hf_dir, directory / "qwen35-mtp.gguf", tokenizer_gguf)
 
 

@@ -47,10 +47,10 @@ def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles) -> lis
     return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
 
 
-def our_drafts(model: Path, prompt: list[int], cycles) -> list[list[int]]:
+def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
     """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it."""
-    with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
-        source = MTPSource(t, max_draft=16)
+    with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=heads is None) as t:
+        source = MTPSource(t, heads=heads, max_draft=16)
         try:
             seq: list[int] = list(prompt)
             t.decode(prompt, 0, logits="last")
@@ -83,6 +83,24 @@ def test_drafts_what_upstreams_driver_drafts(oracle, mtp_target, prompt):
     want = upstream_drafts(oracle, mtp_target, prompt, CYCLES)
     assert [len(d) for d in want] == [n for n, _ in CYCLES]
     assert our_drafts(mtp_target, prompt, CYCLES) == want
+
+
+def test_heads_shipped_apart_draft_as_the_heads_inside(oracle, mtp_target, hybrid_models):
+    """mtp-qwen35.gguf (upstream's --mtp) beside the trunk converted without its head drafts what the head
+    inside qwen35-mtp.gguf drafts, and so what upstream's driver drafts."""
+    prompt = PROMPTS[1]
+    want = upstream_drafts(oracle, mtp_target, prompt, CYCLES)
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    assert our_drafts(hybrid_models.target("qwen35"), prompt, CYCLES, heads=heads) == want
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(mtp_target, embedded_target):
+    with Target.open(embedded_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        with pytest.raises(ValueError, match="not MTP heads for this target: it is a qwen35, the target a llama"):
+            MTPSource(t, heads=mtp_target.parent / "mtp-qwen35.gguf")
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        with pytest.raises(ValueError, match="not a GGUF file"):
+            MTPSource(t, heads=mtp_target.parent / "qwen35-mtp-hf" / "config.json")
 
 
 def test_the_draft_comparison_sees_a_lost_carry(oracle, mtp_target):
@@ -181,19 +199,17 @@ def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
             assert r.stats.per_source[MTP_SOURCE].n_drafted > 0, f"block {block}"
 
 
-def test_random_heads_are_set_aside(mtp_target, reference):
-    """A random head's drafts fail and cost a model pass each: MTP's acceptance model learns the first, the
-    policy's per-source draft costs the second (kept across generations), so it soon decodes plainly."""
+def test_random_heads_are_learnt_to_fail(mtp_target, reference):
+    """A random head's drafts fail, and MTP's own acceptance model learns it: what it offers falls from its
+    prior. (Whether the policy then drafts depends on the measured costs: scripts/bench_mtp.py measures it.)"""
     prompt, want = reference
     with open_session(mtp_target, lookup=False) as s:
         prior = s._mtp.offer(0, 0, 3).expected
-        runs = [s.generate(prompt, max_tokens=len(want)) for _ in range(2)]
-        for r in runs:
-            mtp = r.stats.per_source[MTP_SOURCE] if MTP_SOURCE in r.stats.per_source else None
-            assert mtp is None or (mtp.n_accepted <= mtp.n_drafted // 4 and mtp.cycles < r.stats.cycles // 4)
+        r = s.generate(prompt, max_tokens=len(want), block_size=4)  # every cycle drafts: evidence to learn from
+        mtp = r.stats.per_source[MTP_SOURCE]
+        assert mtp.n_drafted > 30 and mtp.n_accepted <= mtp.n_drafted // 10
         learnt = s._mtp.offer(want[-1], len(s._cache.tokens), 3).expected
-        assert learnt[1] < prior[1] and learnt[-1] < prior[-1]
-        assert runs[1].stats.plain_cycles >= runs[0].stats.plain_cycles
+        assert learnt[1] < 1 + 0.5 * (prior[1] - 1) and learnt[-1] < prior[-1]
 
 
 def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_target):
