@@ -149,7 +149,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
             type_k=o.type_k,
             type_v=o.type_v,
-            load_mtp=drafter is None,  # without a drafter, the model's own MTP heads draft (if it has any)
+            load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
@@ -254,7 +254,7 @@ class Session:
         if lookup if lookup is not None else drafter is None:
             self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
             self._sources.append(self._lookup)
-        if drafter is None and mtp_unusable_reason(target) is None:
+        if mtp_unusable_reason(target) is None:
             self._mtp = MTPSource(target, n_threads=n_threads)
             self._sources.append(self._mtp)
         _check_names(s.name for s in self._sources)

@@ -186,6 +186,20 @@ def test_greedy_output_is_plain_decoding_with_mtp_and_lookup(mtp_target, referen
         assert s._lookup.cached() == s._mtp.cached() == len(s._cache.tokens)
 
 
+@pytest.mark.parametrize("block", [4, None])
+def test_greedy_output_is_plain_decoding_with_mtp_beside_a_dflash_drafter(mtp_target, hybrid_models, reference, block):
+    """The trunk's DFlash drafter (converted against the same trunk without its head: the same fingerprint)
+    and the heads, both offered every cycle: the policy arbitrates, a fixed block drafts from the first."""
+    prompt, want = reference
+    with Session(mtp_target, hybrid_models.drafter("qwen35"), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1,
+                 n_rs_seq=N_RS_SEQ, lookup=False) as s:
+        assert [src.name for src in s._sources] == [MTP_SOURCE, "dflash"] and s.mtp
+        r = s.generate(prompt, max_tokens=len(want), block_size=block)
+        assert r.tokens == want
+        if block is not None:
+            assert r.stats.per_source[MTP_SOURCE].n_drafted > 0
+
+
 def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
     """A grammar that admits the random head's drafts (no digits), so they are verified under the mask."""
     regex = r"[^0-9]{0,300}"
