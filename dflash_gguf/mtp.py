@@ -15,21 +15,23 @@ reference, and `scripts/mtp_oracle.cpp` runs it: this source drafts the same tok
 
 Upstream processes every target batch as it is decoded; here committed tokens wait and are processed in
 one batch before the next draft (as the DFlash drafter's features are), so plain cycles cost no MTP pass.
-Drafts are the head's argmax whatever the sampling (as upstream's), offered as point masses: with sampling
-each is accepted with the target's own probability of it, which keeps the output exactly the target's.
+Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
+sampled ones are drawn from the head's own distribution under the request's sampling settings, and
+rejection sampling against it keeps the output exactly the target's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from typing import Callable
 
 import numpy as np
 from llama_cpp import llama_cpp as capi
 
 from . import llama_ext
 from .lookup import MATCH_BUCKETS, LookupStats
-from .sampling import SamplingParams
+from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
 from .schema import Keys
 from .target import FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context
@@ -146,8 +148,10 @@ class MTPHeads(NativeResource):
                 self._add(tokens[i], start + i, base + i * stride, False)
             self._decode()
 
-    def draft(self, last: int, n_past: int, carry: np.ndarray, n: int) -> list[int]:
-        """n argmax drafts after `last` at n_past, whose target row before is `carry`; the context keeps none."""
+    def draft(self, last: int, n_past: int, carry: np.ndarray, n: int,
+              pick: Callable[[int, np.ndarray], int] | None = None) -> list[int]:
+        """n drafts after `last` at n_past, whose target row before is `carry`; the context keeps none.
+        Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
         if self._ctx is None:
             raise self._closed_error()
         out: list[int] = []
@@ -160,7 +164,8 @@ class MTPHeads(NativeResource):
                 logits = capi.llama_get_logits_ith(self._ctx, 0)
                 if not logits:
                     raise RuntimeError("the MTP context returned no logits")
-                token = int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
+                row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+                token = int(row.argmax()) if pick is None else pick(i, row)
                 out.append(token)
                 h = llama_ext.get_embeddings_nextn_ith(self._ctx, 0)
                 if not h:
@@ -251,9 +256,19 @@ class MTPSource(DraftSource):
         self.finish()
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
-        tokens = self.heads.draft(last, n_past, self._carry, n_draft)
+        if params.greedy:
+            tokens = self.heads.draft(last, n_past, self._carry, n_draft)
+            self._proposed = (n_past, tokens)
+            return Candidate(self.name, np.asarray(tokens, dtype=np.int64))
+        q = np.empty((n_draft, self.heads.n_vocab), dtype=np.float64)
+
+        def pick(i: int, logits: np.ndarray) -> int:
+            q[i] = probabilities(logits[None], params)[0]
+            return sample_token(q[i], rng)
+
+        tokens = self.heads.draft(last, n_past, self._carry, n_draft, pick)
         self._proposed = (n_past, tokens)
-        return Candidate(self.name, np.asarray(tokens, dtype=np.int64), point_mass=True)
+        return Candidate(self.name, np.asarray(tokens, dtype=np.int64), q=q)
 
     def observe(self, commit: Commit) -> None:
         n = len(commit.tokens)

@@ -227,12 +227,13 @@ def test_random_heads_are_learnt_to_fail(mtp_target, reference):
 
 
 def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_target):
-    """Block 2 at temperature 0.6: the second token of a reply is verified against an MTP draft (a point
-    mass: accepted with the target's probability of it, else drawn from the rest). Its law given the first
-    token is the target's; a loop that took the head's token as drafted would be told apart."""
+    """Block 2 at temperature 0.6: the second token of a reply is verified against a draft the head sampled
+    from its own distribution q (accepted with min(1, p/q), else drawn from the residual). Its law given
+    the first token is the target's p; a loop that took the head's drafts unverified would follow q."""
     from chi_square import chi_square_p_value
     from test_session_sampling import ALPHA, next_token_probs
 
+    params = SamplingParams(temperature=0.6)
     with open_session(mtp_target, lookup=False) as s, \
             Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as reference:
         runs = [s.generate("Good morning!", max_tokens=3, temperature=0.6, seed=seed, block_size=2) for seed in range(240)]
@@ -243,20 +244,18 @@ def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_ta
         after = [r.tokens[1] for r in runs if r.tokens[0] == first]
         assert len(after) > 60
         prompt = reference.tokenize("Good morning!")
-        probs = next_token_probs(reference, prompt + [first], SamplingParams(temperature=0.6))
+        probs = next_token_probs(reference, prompt + [first], params)
         assert chi_square_p_value(after, probs) > ALPHA
-        # the head's draft after `first`, which a loop accepting drafts unverified would emit every time
         with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
             source = MTPSource(t)
             try:
                 t.decode(prompt, 0)
                 source.observe(Commit(0, prompt, sequence=list(prompt)))
-                draft = int(source.propose(first, len(prompt), 1, SamplingParams(), np.random.default_rng(0)).tokens[0])
+                q = source.propose(first, len(prompt), 1, params, np.random.default_rng(0)).q[0]
             finally:
                 source.close()
-        forced = np.zeros_like(probs)
-        forced[draft] = 1.0
-        assert chi_square_p_value(after, forced) < ALPHA
+        assert 0.5 * np.abs(q - probs).sum() > 0.3  # the head's law is far from the target's
+        assert chi_square_p_value(after, q) < ALPHA
 
 
 def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target, reference, tmp_path):
