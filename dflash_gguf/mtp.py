@@ -38,7 +38,8 @@ from .target import FeatureRows, NativeResource, SharedModel, Target, load_model
 
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
-PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: trained heads pass ~0.6-0.8 of first drafts
+PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: a guess high enough that a head is tried;
+# the commits' evidence replaces it (decayed counts, LookupStats)
 _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
 
 
