@@ -103,6 +103,9 @@ class CostModel:
         # mean seconds a verify of n tokens spends rolling the target back (0 on a full accept);
         # None where rollback is a KV truncation, whose cost is noise next to a decode
         self.rollback = CostTable(rollback, smoothing=smoothing) if rollback else None
+        # the draft pass of each source without a controller (lookup, MTP), learnt as it drafts; kept here
+        # so that it outlives one generation's policy, as the verify costs do
+        self.source_drafts: dict[str, CostTable] = {}
 
     def verify_s(self, n_tokens: int) -> float:
         return self.target.seconds(n_tokens) + (self.rollback.seconds(n_tokens) if self.rollback else 0.0)
@@ -419,7 +422,7 @@ class AdaptivePolicy(Policy):
         self.costs = costs
         self.confidence_threshold = confidence_threshold
         self._controllers: dict[str, BlockController] = {}  # sources that drafted under a controller, by name
-        self._drafts: dict[str, CostTable] = {}  # draft-pass seconds per block, sources without a controller
+        self._drafts = costs.source_drafts  # draft-pass seconds per block, sources without a controller
         self._plain = Choice(None, 0, StepKind.PLAIN, "")  # the last plain choice, reused while its reason holds
 
     def verify_length(self, candidate: "Candidate") -> int:
@@ -490,9 +493,11 @@ class AdaptivePolicy(Policy):
             c.observe_timing("draft", timing.block_tokens, timing.draft_s)
         elif timing.draft_s > 0:
             table = self._drafts.get(choice.source)
-            if table is None:
-                self._drafts[choice.source] = table = CostTable({timing.block_tokens: CHEAP_DRAFT_S})
-            table.update(timing.block_tokens, timing.draft_s)
+            if table is None:  # the first measurement as measured: an update from CHEAP_DRAFT_S would cap it at
+                # twice that, and a source that runs a model (MTP) would look cheap for dozens of cycles
+                self._drafts[choice.source] = CostTable({timing.block_tokens: timing.draft_s})
+            else:
+                table.update(timing.block_tokens, timing.draft_s)
         self.costs.observe("rollback", timing.block_tokens, timing.rollback_s)
 
 

@@ -51,6 +51,7 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
             "n_gpu_layers": t.n_gpu_layers, "target_placement": session.placement.as_dict(),
             "drafter": None if session.drafter is None else str(session.drafter.path),
             "speculation_off_because": session.speculative_disabled_reason,
+            "sources": _sources(session),
         }
         if session.drafter is None:
             report["advice"] = advice(report)
@@ -85,6 +86,14 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
     return report
 
 
+def _sources(session: Any) -> list[str]:
+    """The draft sources the Session's policy chooses among, by the names its stats use."""
+    if session.speculative_disabled_reason is not None:
+        return []
+    return (["lookup"] if session.lookup else []) + (["mtp"] if session.mtp else []) + \
+        ([session.drafter.kind] if session.drafter is not None else [])
+
+
 def advice(report: dict[str, Any]) -> list[str]:
     """What the figures say to do, one line each."""
     pair, out = report["pair"], []
@@ -93,7 +102,11 @@ def advice(report: dict[str, Any]) -> list[str]:
     if pair.get("speculation_off_because"):
         out.append(f"speculation is off for this target: {pair['speculation_off_because']}")
     if pair["drafter"] is None:
-        out.append("no drafter: only lookup drafts (copies from the context); --drafter FILE adds one")
+        if "mtp" in pair["sources"]:
+            out.append("no drafter: the target's own MTP heads draft, beside lookup (copies from the context); "
+                       "--drafter FILE adds a DFlash drafter instead of the heads")
+        else:
+            out.append("no drafter: only lookup drafts (copies from the context); --drafter FILE adds one")
         return out
     if gpu and not target_on["devices"]:
         out.append(f"a GPU is there ({', '.join(gpu)}) but the target runs on the CPU: --n-gpu-layers -1")
@@ -123,7 +136,8 @@ def to_text(report: dict[str, Any]) -> str:
     lines = [f"build      llama-cpp-python {build['llama_cpp_python']}; backends {build['backends']}; "
              f"devices {devices}; layer-input API {'present' if build.get('layer_input_api') else 'missing'}",
              f"target     {pair['target']} ({pair['architecture']}, fingerprint {pair['fingerprint'][:16]}) "
-             f"on {_where(pair['target_placement'])}"]
+             f"on {_where(pair['target_placement'])}",
+             f"sources    {', '.join(pair['sources']) or 'none (plain decoding)'}"]
     if pair["drafter"] is not None:
         lines.append(f"drafter    {pair['drafter']} ({pair['kind']}, block {pair['block_size']}; rollback "
                      f"{pair['rollback']}, n_rs_seq {pair['n_rs_seq']}) on {_where(pair['drafter_placement'])}")

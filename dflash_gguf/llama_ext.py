@@ -128,6 +128,31 @@ get_embeddings_nextn = _bind(
 )
 
 
+# float * llama_get_embeddings_nextn_ith(llama_context * ctx, int32_t i): batch row i's nextn row (the hidden
+# state an MTP head reads); bound as an address (None for NULL, which libllama returns for a bad i)
+get_embeddings_nextn_ith = _bind(
+    (
+        "llama_get_embeddings_nextn_ith",
+        "_Z30llama_get_embeddings_nextn_ithP13llama_contexti",
+        "?llama_get_embeddings_nextn_ith@@YAPEAMPEAUllama_context@@H@Z",
+    ),
+    [_ctx, ctypes.c_int32],
+    ctypes.c_void_p,
+)
+
+# void llama_set_nextn_layer_offset(llama_context * ctx, int32_t offset): which trained head (block
+# n_layer + offset) an MTP context's graph runs; chained heads (step35) step it once per draft position
+set_nextn_layer_offset = _bind(
+    (
+        "llama_set_nextn_layer_offset",
+        "_Z28llama_set_nextn_layer_offsetP13llama_contexti",
+        "?llama_set_nextn_layer_offset@@YAXPEAUllama_context@@H@Z",
+    ),
+    [_ctx, ctypes.c_int32],
+    None,
+)
+
+
 # int32_t llama_model_n_devices(const llama_model * model): the devices libllama offloads this model's layers to
 model_n_devices = _bind(
     (
@@ -167,6 +192,12 @@ model_get_tok_embd = _bind(
     [_model, ctypes.POINTER(ctypes.c_float)],
     ctypes.c_uint32,
 )
+
+
+def mtp_api_present() -> bool:
+    """Whether the loaded libllama has the nextn calls an MTP draft source drives its heads through."""
+    funcs = (set_embeddings_nextn, get_embeddings_nextn_ith, set_nextn_layer_offset)
+    return all(getattr(f, "__name__", "") != "missing" for f in funcs)
 
 
 def layer_input_api_present() -> bool:

@@ -27,6 +27,7 @@ from .decoding import CacheState, PrefixHook, TokensView, decode_steps
 from .drafter import Drafter
 from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
+from .mtp import MTPSource, mtp_unusable_reason
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
 from .reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
@@ -149,6 +150,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
             type_k=o.type_k,
             type_v=o.type_v,
+            load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
@@ -236,6 +238,7 @@ class Session:
         self._sources: list[DraftSource] = []
         self._lookup: LookupSource | None = None
         self._native_source: NativeDrafterSource | None = None
+        self._mtp: MTPSource | None = None
         self._costs: CostModel | None = None  # what every source is priced with, measured once
         self._recalibrate = False  # measure even where costs are saved for this key (SessionOptions.recalibrate)
         self.calibration_source: str | None = None  # 'saved' or 'measured' once the costs are known
@@ -252,6 +255,9 @@ class Session:
         if lookup if lookup is not None else drafter is None:
             self._lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
             self._sources.append(self._lookup)
+        if mtp_unusable_reason(target) is None:
+            self._mtp = MTPSource(target, n_threads=n_threads)
+            self._sources.append(self._mtp)
         _check_names(s.name for s in self._sources)
         if drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
@@ -647,6 +653,11 @@ class Session:
         """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
         return self._lookup is not None
 
+    @property
+    def mtp(self) -> bool:
+        """Whether the target's own MTP heads draft among this Session's sources (mtp.MTPSource)."""
+        return self._mtp is not None
+
     @cached_property
     def placement(self) -> Placement:
         """Where the target's layers are: the backend and device its stats name (CPU unless offloaded)."""
@@ -827,6 +838,8 @@ class Session:
             self._closed = True
             if self.drafter is not None:
                 self.drafter.close()
+            if self._mtp is not None:
+                self._mtp.close()
             self.target.close()
             if self._llama is not None:
                 self._llama.reset()

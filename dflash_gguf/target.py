@@ -71,13 +71,16 @@ def check_gguf_file(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def load_model(path: str | os.PathLike[str], *, n_gpu_layers: int = 0) -> capi.llama_model_p:
-    """llama_model_load_from_file with the file checked first and NULL turned into ValueError."""
+def load_model(path: str | os.PathLike[str], *, n_gpu_layers: int = 0, load_mtp: bool = False) -> capi.llama_model_p:
+    """llama_model_load_from_file with the file checked first and NULL turned into ValueError.
+
+    load_mtp: also load the model's MTP (nextn) heads, if it has any, for an MTP draft context (mtp.py)."""
     p = check_gguf_file(path)
     if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
         raise ValueError(f"n_gpu_layers must be an integer >= -1 (-1 = all), got {n_gpu_layers!r}")
     params = capi.llama_model_default_params()
     params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+    params.load_mtp = bool(load_mtp)
     model = capi.llama_model_load_from_file(str(p).encode(), params)
     if not model:
         raise ValueError(f"{p}: libllama could not load this GGUF (corrupt, truncated or unsupported architecture)")
@@ -96,6 +99,7 @@ def new_context(
     n_rs_seq: int = 0,
     type_k: str = "f16",
     type_v: str = "f16",
+    ctx_type: int = capi.LLAMA_CONTEXT_TYPE_DEFAULT,
 ) -> capi.llama_context_p:
     """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph.
 
@@ -130,6 +134,7 @@ def new_context(
     params.n_rs_seq = n_rs_seq  # recurrent-state snapshots per sequence; libllama clamps it to 0 where unsupported
     params.type_k = KV_TYPES[type_k]
     params.type_v = KV_TYPES[type_v]
+    params.ctx_type = ctx_type  # LLAMA_CONTEXT_TYPE_MTP: a context that runs the model's MTP heads (mtp.py)
     ctx = capi.llama_init_from_model(model, params)
     if not ctx:
         kv = "" if (type_k, type_v) == ("f16", "f16") else (
@@ -360,6 +365,7 @@ class Target(NativeResource):
         shared: SharedModel | None = None,
         type_k: str = "f16",
         type_v: str = "f16",
+        mtp_loaded: bool = False,
     ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
@@ -383,6 +389,9 @@ class Target(NativeResource):
         self.n_seq_max: int = capi.llama_n_seq_max(ctx)
         self.architecture: str = meta_str(model, Keys.ARCHITECTURE) or ""
         self.recurrent: bool = bool(capi.llama_model_is_recurrent(model) or capi.llama_model_is_hybrid(model))
+        # MTP heads libllama loaded with the model (load_mtp): an MTP draft context can run them
+        self.n_mtp_heads: int = int(capi.llama_model_n_layer_nextn(model)) if mtp_loaded else 0
+        self._nextn = False  # whether decodes output every row's nextn hidden state (an MTP source reads it)
         self.n_rs_seq: int = int(capi.llama_n_rs_seq(ctx))  # snapshots libllama really keeps (0: none)
         self._layers: list[int] = []
         self._fingerprint: str | None = None
@@ -437,6 +446,7 @@ class Target(NativeResource):
         n_rs_seq: int = 0,
         type_k: str = "f16",
         type_v: str = "f16",
+        load_mtp: bool = False,
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both.
 
@@ -446,10 +456,11 @@ class Target(NativeResource):
         Flash attention is on by default: with it libllama's batched and single-token decodes give
         bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
         type_k / type_v: the KV cache's element types (KV_TYPES: f16, q8_0, q4_0, ...).
+        load_mtp: load the model's MTP heads too, where it has them (`n_mtp_heads`; mtp.MTPSource drafts with them).
         """
         check_kv_types(type_k, type_v, flash_attn)  # before the weights load
         init_backend(verbose)
-        model = load_model(path, n_gpu_layers=n_gpu_layers)
+        model = load_model(path, n_gpu_layers=n_gpu_layers, load_mtp=load_mtp)
         try:
             ctx = new_context(
                 model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn,
@@ -459,7 +470,7 @@ class Target(NativeResource):
             capi.llama_model_free(model)
             raise
         return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                   type_k=type_k, type_v=type_v)
+                   type_k=type_k, type_v=type_v, mtp_loaded=load_mtp)
 
     @classmethod
     def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
@@ -475,6 +486,7 @@ class Target(NativeResource):
             flash_attn=params.flash_attn_type == capi.LLAMA_FLASH_ATTN_TYPE_ENABLED,
             type_k=names.get(params.type_k, f"ggml type {params.type_k}"),
             type_v=names.get(params.type_v, f"ggml type {params.type_v}"),
+            mtp_loaded=bool(llama.model_params.load_mtp),
         )
 
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
@@ -714,6 +726,39 @@ class Target(NativeResource):
             raise RuntimeError(f"libllama captured no input for layer {lid}")
         return address
 
+    def output_nextn(self) -> None:
+        """From the next decode on, output every batch row's nextn hidden state (what an MTP head reads),
+        whatever its logits flag, as upstream's MTP driver sets its target context."""
+        if self._ctx is None:
+            raise self._closed_error()
+        llama_ext.set_embeddings_nextn(self._ctx, True, False)
+        self._nextn = True
+
+    @property
+    def nextn_rows(self) -> int:
+        """Batch rows of the last decode whose nextn row libllama holds (0 after a restored state)."""
+        return self._n_last if self._nextn and self._ctx is not None else 0
+
+    def nextn_address(self, n_tokens: int) -> int:
+        """Address of the nextn rows (n_embd floats each, row i at i * n_embd) of batch rows 0..n_tokens-1
+        of the last decode; valid until the next decode."""
+        if self._ctx is None:
+            raise self._closed_error()
+        if not self._nextn:
+            raise RuntimeError("no nextn rows: call output_nextn() before decode()")
+        if not 0 < n_tokens <= self._n_last:
+            raise ValueError(f"{n_tokens} nextn rows asked of a last batch of {self._n_last} tokens")
+        address = llama_ext.get_embeddings_nextn_ith(self._ctx, 0)
+        if not address:
+            raise RuntimeError("libllama returned no nextn rows for the last decode")
+        return address
+
+    def shared_model(self) -> SharedModel:
+        """A share of the loaded model, for another context on it (an MTP context); release() it when done."""
+        if self._ctx is None:
+            raise self._closed_error()
+        return self._shared.share()
+
     def token_embeddings(self) -> np.ndarray:
         """(n_vocab, n_embd) float32 copy of the token embedding matrix, dequantised by libllama."""
         if self._ctx is None:
@@ -877,6 +922,7 @@ class Target(NativeResource):
         return Target(
             self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
             flash_attn=self.flash_attn, shared=shared, type_k=self.type_k, type_v=self.type_v,
+            mtp_loaded=self.n_mtp_heads > 0,
         )
 
     def set_threads(self, n_threads: int) -> None:

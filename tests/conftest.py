@@ -90,6 +90,15 @@ def hybrid_models(tmp_path_factory, embedded_target):
 
 
 @pytest.fixture(scope="session")
+def mtp_target(tmp_path_factory, embedded_target) -> Path:
+    """The hybrid qwen35 fixture with one random MTP head (nextn tensors), converted by upstream, and beside it
+    mtp-qwen35.gguf, the head alone (`mtp_target.parent / "mtp-qwen35.gguf"`): tests/mtp_fixtures.py."""
+    from mtp_fixtures import build_mtp_target
+
+    return build_mtp_target(tmp_path_factory.mktemp("mtp"), embedded_target, heads=True)
+
+
+@pytest.fixture(scope="session")
 def dspark(tmp_path_factory, embedded_target):
     """DSpark checkpoints and GGUFs per variant of test_dspark.VARIANTS, built on first use: `dspark("anchor")`."""
     from test_dspark import Built

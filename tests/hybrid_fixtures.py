@@ -191,19 +191,25 @@ def convert_target(
     return out
 
 
-def build_target(arch: str, directory: Path, tokenizer_gguf: Path, *, seed: int = 0) -> Path:
-    """`directory`/<arch>.gguf: a seeded random `arch` model converted by upstream's converter."""
-    directory = Path(directory)
+def save_hf_model(arch: str, hf_dir: Path, *, seed: int = 0, **config: object) -> Path:
+    """A seeded random `arch` model saved in transformers' layout, its config naming the causal-LM class
+    upstream's converter registers; `config` adds keys to config.json."""
     torch.manual_seed(seed)
     model = hf_model(arch)
     _seed_weights(model, seed)
-    hf_dir = directory / f"{arch}-hf"
     model.save_pretrained(hf_dir)
-    # the HF config must name the causal-LM class upstream registers
     cfg_path = hf_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["architectures"] = [type(model).__name__]
+    cfg.update(config)
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    return hf_dir
+
+
+def build_target(arch: str, directory: Path, tokenizer_gguf: Path, *, seed: int = 0) -> Path:
+    """`directory`/<arch>.gguf: a seeded random `arch` model converted by upstream's converter."""
+    directory = Path(directory)
+    hf_dir = save_hf_model(arch, directory / f"{arch}-hf", seed=seed)
     extra = ["--no-mtp"] if arch in ("qwen35", "qwen3next") else []  # these random models have no MTP head
     return convert_target(hf_dir, directory / f"{arch}.gguf", tokenizer_gguf, extra=extra)
 

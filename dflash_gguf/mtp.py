@@ -1,0 +1,318 @@
+"""MTP heads as a draft source: the multi-token-prediction block a model ships, run by libllama's MTP context.
+
+Upstream llama.cpp's driver (`common/speculative.cpp`, `common_speculative_impl_draft_mtp`) is the
+reference, and `scripts/mtp_oracle.cpp` runs it: this source drafts the same tokens on the same context
+(tests/test_mtp.py). The protocol, for one trained head (qwen35, qwen35moe, qwen3next, glm4_moe, ...):
+
+- The target outputs, for every batch row, its last hidden state `h` (nextn rows, unmasked).
+- The MTP context holds one KV entry per committed position p, computed from token x_p and h_{p-1}: each
+  committed token is paired with the target's row one before it, the first token of a batch with the last
+  row of the previous batch (the cross-batch carry).
+- A draft after `last` at n_past decodes [last @ n_past, carry h_{n_past-1}], takes the argmax d1, then
+  [d1 @ n_past+1, the head's own nextn row] for d2, and so on; afterwards the draft positions are removed
+  from the MTP context (upstream removes them after every draft), so a verify's rejected tokens never
+  reach it: only committed tokens are processed.
+
+Upstream processes every target batch as it is decoded; here committed tokens wait and are processed in
+one batch before the next draft (as the DFlash drafter's features are), so plain cycles cost no MTP pass.
+Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
+sampled ones are drawn from the head's own distribution under the request's sampling settings, and
+rejection sampling against it keeps the output exactly the target's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable
+
+import numpy as np
+from llama_cpp import llama_cpp as capi
+
+from . import llama_ext
+from .lookup import MATCH_BUCKETS, LookupStats
+from .sampling import SamplingParams, probabilities, sample_token
+from .sources import Candidate, Commit, DraftSource, Offer
+from .schema import Keys
+from .target import FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context
+
+MTP_SOURCE = "mtp"
+DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
+PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: a guess high enough that a head is tried;
+# the commits' evidence replaces it (decayed counts, LookupStats)
+_DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
+
+
+def mtp_unusable_reason(target: Target) -> str | None:
+    """Why this target's MTP heads cannot draft here, or None when they can."""
+    if target.n_mtp_heads == 0:
+        return "the target has no MTP heads loaded (none in the GGUF, or opened without load_mtp)"
+    return _heads_reason(target.n_mtp_heads, "the target")
+
+
+def _heads_reason(n_heads: int, where: str) -> str | None:
+    if n_heads > 1:
+        return f"{where} has {n_heads} chained MTP heads (step35 layout): only a single trained head is driven here"
+    if not llama_ext.mtp_api_present():
+        return "this libllama lacks the nextn calls (llama_get_embeddings_nextn_ith, llama_set_nextn_layer_offset)"
+    return None
+
+
+def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
+    """An MTP heads file (upstream's converter writes `mtp-*.gguf` with --mtp: the head, the embedding, the
+    output norm and head) loaded for this target, or ValueError saying why it does not fit it."""
+    model = load_model(path, n_gpu_layers=target.n_gpu_layers, load_mtp=True)
+    shared = SharedModel(model, owned=True)
+    arch = meta_str(model, Keys.ARCHITECTURE) or ""
+    n_heads = int(capi.llama_model_n_layer_nextn(model))
+    n_vocab = int(capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(model)))
+    n_embd = int(capi.llama_model_n_embd_out(model))
+    target_embd = int(capi.llama_model_n_embd_out(target.model))
+    reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
+              if arch != target.architecture else
+              "it holds no MTP heads" if n_heads == 0 else
+              f"its vocabulary has {n_vocab} tokens, the target's {target.n_vocab}" if n_vocab != target.n_vocab else
+              f"its rows are {n_embd} wide, the target's {target_embd}" if n_embd != target_embd else
+              _heads_reason(n_heads, "it"))
+    if reason is not None:
+        shared.release()
+        raise ValueError(f"{path}: not MTP heads for this target: {reason}")
+    return shared
+
+
+class MTPHeads(NativeResource):
+    """libllama's MTP context on a target's model (or on a heads file shipped apart from it, `heads`): its own
+    KV cache of the head's one attention layer, fed the target's rows (`ctx_other` is the target's context).
+
+    `process` adds committed positions (token + the target's row before it), `draft` runs the head
+    autoregressively after `last` and removes what it added.
+    """
+
+    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
+                 n_threads: int | None = None) -> None:
+        if heads is None:
+            reason = mtp_unusable_reason(target)
+            if reason is not None:
+                raise ValueError(f"cannot draft with MTP heads: {reason}")
+            self._shared = target.shared_model()
+        else:
+            self._shared = _load_heads(heads, target)
+        try:
+            threads = target.n_threads if n_threads is None else n_threads
+            self._ctx = new_context(
+                self._shared.ptr, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
+                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=capi.LLAMA_CONTEXT_TYPE_MTP,
+            )
+        except BaseException:
+            self._shared.release()
+            raise
+        self.n_embd = int(capi.llama_model_n_embd_out(self._shared.ptr))
+        self.n_vocab = target.n_vocab
+        self.n_batch = target.n_batch
+        self._mem = capi.llama_get_memory(self._ctx)
+        self._batch = capi.llama_batch_ext_init(self._ctx)
+        if not self._batch:
+            capi.llama_free(self._ctx)
+            self._ctx = None
+            self._shared.release()
+            raise RuntimeError("libllama could not make a batch for the MTP context")
+        self._pos = ctypes.c_int32(0)
+        self._pos_ref = ctypes.byref(self._pos)
+        llama_ext.set_embeddings_nextn(self._ctx, True, True)  # the head's own row of each output, for chaining
+        target.output_nextn()
+
+    def _add(self, token: int, pos: int, h_address: int, output: bool) -> None:
+        idx = capi.llama_batch_ext_add_token(self._batch, 0, token)
+        if idx < 0:
+            raise RuntimeError(f"the MTP batch refused token {token} (error {idx})")
+        self._pos.value = pos
+        embd = capi.llama_embd(ctypes.cast(h_address, ctypes.POINTER(ctypes.c_float)), 1, self.n_embd)
+        if not capi.llama_batch_ext_set_pos(self._batch, idx, self._pos_ref) or \
+                not capi.llama_batch_ext_set_embd_token(self._batch, idx, embd):
+            raise RuntimeError(f"the MTP batch refused the position or the row of token {token}")
+        if output:
+            capi.llama_batch_ext_set_output_logits(self._batch, idx, True)
+
+    def _decode(self) -> None:
+        rc = capi.llama_process(self._ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if rc != 0:
+            raise RuntimeError(f"the MTP context's decode failed with code {rc}")
+
+    def process(self, tokens: list[int], start: int, rows: np.ndarray) -> None:
+        """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before)."""
+        if self._ctx is None:
+            raise self._closed_error()
+        base, stride = rows.ctypes.data, self.n_embd * 4
+        for lo in range(0, len(tokens), self.n_batch):
+            capi.llama_batch_ext_clear(self._batch)
+            for i in range(lo, min(lo + self.n_batch, len(tokens))):
+                self._add(tokens[i], start + i, base + i * stride, False)
+            self._decode()
+
+    def draft(self, last: int, n_past: int, carry: np.ndarray, n: int,
+              pick: Callable[[int, np.ndarray], int] | None = None) -> list[int]:
+        """n drafts after `last` at n_past, whose target row before is `carry`; the context keeps none.
+        Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
+        if self._ctx is None:
+            raise self._closed_error()
+        out: list[int] = []
+        token, h = int(last), carry.ctypes.data
+        try:
+            for i in range(n):
+                capi.llama_batch_ext_clear(self._batch)
+                self._add(token, n_past + i, h, True)
+                self._decode()
+                logits = capi.llama_get_logits_ith(self._ctx, 0)
+                if not logits:
+                    raise RuntimeError("the MTP context returned no logits")
+                row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+                token = int(row.argmax()) if pick is None else pick(i, row)
+                out.append(token)
+                h = llama_ext.get_embeddings_nextn_ith(self._ctx, 0)
+                if not h:
+                    raise RuntimeError("the MTP context returned no nextn row")
+        finally:
+            self.remove(n_past)
+        return out
+
+    def remove(self, n: int) -> None:
+        """Forget positions >= n."""
+        if self._ctx is None:
+            raise self._closed_error()
+        if not capi.llama_memory_seq_rm(self._mem, 0, n, -1):
+            raise RuntimeError(f"could not remove MTP positions >= {n}")
+
+    def close(self) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            return
+        self._ctx = None
+        capi.llama_batch_ext_free(self._batch)
+        capi.llama_free(ctx)
+        self._shared.release()
+
+
+class MTPSource(DraftSource):
+    """A model's own MTP head as a draft source (see the module's docstring for the protocol).
+
+    Its acceptance is learnt per draft slot from the commits (`stats`), and `offer` says what each length
+    is expected to commit for the policy to price against the other sources and plain decoding.
+    """
+
+    name = MTP_SOURCE
+    needs_features = False
+
+    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
+                 max_draft: int = DEFAULT_MAX_DRAFT, n_threads: int | None = None, stats: LookupStats | None = None) -> None:
+        """heads: an `mtp-*.gguf` shipped apart from the target (None: the target's own, loaded with it)."""
+        if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 1:
+            raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+        self.heads = MTPHeads(target, heads=heads, n_threads=n_threads)
+        self.target = target
+        self.max_draft = min(max_draft, target.n_batch - 1)
+        self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
+        self._n = 0  # positions the MTP context holds
+        self._tokens: list[int] = []  # committed since, positions _n.., waiting for one batch
+        self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
+        self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
+        self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
+        self._stride = self.heads.n_embd * 4  # bytes per row
+        self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
+        self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
+
+    def cached(self) -> int:
+        return self._n + len(self._tokens)
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n. Cut inside the waiting tokens, the carry is the row the cut token was paired
+        with (exact); cut below them it stays the last one seen, as in upstream's driver (a prompt sharing
+        only a prefix pairs its first new token with a row from the end of the previous turn)."""
+        self._proposed = None
+        if n >= self.cached():
+            return
+        waiting = n - self._n
+        if waiting >= 0:
+            self._carry[:] = self._rows.view()[waiting]
+            del self._tokens[waiting:]
+            rows = self._rows.view()[:waiting].copy()
+            self._rows.clear()
+            self._rows.extend(rows)
+            return
+        self._tokens.clear()
+        self._rows.clear()
+        self.heads.remove(n)
+        self._n = n
+
+    def available(self, last: int, n_past: int) -> int:
+        return self.max_draft
+
+    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        if self._offer.n_max != n_max:
+            self._offer = Offer(self.name, n_max, self.stats.expected_tokens(_DEPTH0, min(n_max, self.max_draft)))
+        return self._offer
+
+    def propose(
+        self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Candidate:
+        self.finish()
+        if n_past != self._n:
+            raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
+        if params.greedy:
+            tokens = self.heads.draft(last, n_past, self._carry, n_draft)
+            self._proposed = (n_past, tokens)
+            return Candidate(self.name, np.asarray(tokens, dtype=np.int64))
+        q = np.empty((n_draft, self.heads.n_vocab), dtype=np.float64)
+
+        def pick(i: int, logits: np.ndarray) -> int:
+            q[i] = probabilities(logits[None], params)[0]
+            return sample_token(q[i], rng)
+
+        tokens = self.heads.draft(last, n_past, self._carry, n_draft, pick)
+        self._proposed = (n_past, tokens)
+        return Candidate(self.name, np.asarray(tokens, dtype=np.int64), q=q)
+
+    def observe(self, commit: Commit) -> None:
+        n = len(commit.tokens)
+        if commit.start != self.cached():
+            raise RuntimeError(f"MTP source out of order: commit at {commit.start}, source at {self.cached()}")
+        if self._proposed is not None and self._proposed[0] == commit.start:
+            drafted = self._proposed[1]
+            got = commit.tokens[1:]
+            k = 0
+            while k < min(len(drafted), len(got)) and drafted[k] == got[k]:
+                k += 1
+            self.stats.observe(_DEPTH0, len(drafted), k)
+            self._offer = Offer(self.name, 0)
+        self._proposed = None
+        if self.target.nextn_rows < n:
+            self._skip(commit.start + n)
+            return
+        # token i is paired with the target's row i - 1 of this batch, the first with the carry
+        stride, carry = self._stride, self._carry_address
+        src = self.target.nextn_address(n)
+        dst = self._rows.reserve(n)
+        ctypes.memmove(dst, carry, stride)
+        if n > 1:
+            ctypes.memmove(dst + stride, src, (n - 1) * stride)
+        ctypes.memmove(carry, src + (n - 1) * stride, stride)
+        self._tokens += commit.tokens
+
+    def _skip(self, end: int) -> None:
+        """Hold positions up to `end` with no MTP state: they came from a restored target state (the prompt
+        cache), which decoded nothing, so no row pairs with them. The head attends to what it holds (holes
+        are only fewer cells) and the next token pairs with no carry: drafts are poorer until the context
+        refills, and as lossless."""
+        self.finish()
+        self._n = end
+        self._carry[:] = 0.0
+
+    def finish(self) -> None:
+        if self._tokens:
+            self.heads.process(self._tokens, self._n, self._rows.view())
+            self._n += len(self._tokens)
+            self._tokens.clear()
+            self._rows.clear()
+
+    def close(self) -> None:
+        """Free the MTP context (before the target's model goes)."""
+        self.heads.close()

@@ -1,0 +1,288 @@
+"""MTP heads as a draft source (issue 38), on a tiny random Qwen3.5 whose one MTP head is random too.
+
+The oracle is upstream's own MTP driver (common_speculative_impl_draft_mtp) run by scripts/mtp_oracle.cpp
+on the same GGUF: MTPSource must draft exactly its tokens, cycle by cycle, through forced acceptances (the
+cross-batch carry after k accepted drafts), greedy ones and plain cycles. A random head's drafts are
+nearly always rejected, so the Session tests roll the hybrid target back almost every cycle; the
+reference is llama_cpp.Llama's own greedy loop (test_hybrid_session's, with its near-tie check: the
+fixture's trunk is that module's qwen35).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash_gguf import Session, Target
+from dflash_gguf.mtp import MTP_SOURCE, MTPSource, mtp_unusable_reason
+from dflash_gguf.sampling import SamplingParams
+from dflash_gguf.sources import Commit
+
+pytestmark = pytest.mark.slow  # every test needs the MTP fixture, built with upstream's converter (~40 s)
+
+REPO = Path(__file__).resolve().parent.parent
+N_CTX, N_BATCH = 512, 64  # as scripts/mtp_oracle.cpp makes its contexts
+N_RS_SEQ = 16
+# (n_draft, n_commit): forced commits move the carry past accepted drafts; "g": the target's greedy verdict
+CYCLES = [(4, 0), (4, 2), (0, 0), (3, 3), (5, "g"), (1, 1), (6, "g"), (0, 0), (0, 0), (2, "g"), (8, 5), (3, "g")]
+PROMPTS = ([1, 504, 3000, 77, 9123, 45, 600, 12000, 5], [42, 7, 42, 7, 42, 19000, 3, 3, 3, 811, 2500, 6, 6])
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    """scripts/mtp_oracle.cpp built by scripts/build_mtp_oracle.sh (a few seconds: no llama.cpp build)."""
+    out = tmp_path_factory.mktemp("oracle") / "mtp_oracle"
+    done = subprocess.run(["bash", str(REPO / "scripts/build_mtp_oracle.sh"), str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles) -> list[list[int]]:
+    spec = ",".join(f"{n}:{k}" for n, k in cycles)
+    out = subprocess.run([str(oracle), str(model), ",".join(map(str, prompt)), spec, "1"],
+                         capture_output=True, text=True, check=True).stdout
+    return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
+
+
+def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
+    """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it."""
+    with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=heads is None) as t:
+        source = MTPSource(t, heads=heads, max_draft=16)
+        try:
+            seq: list[int] = list(prompt)
+            t.decode(prompt, 0, logits="last")
+            source.observe(Commit(0, prompt, sequence=seq))
+            last = int(t.output_logits()[-1].argmax())
+            out = []
+            for n, k in cycles:
+                n_past = len(seq)
+                drafts = source.propose(last, n_past, n, SamplingParams(), np.random.default_rng(0)).tokens.tolist() if n else []
+                out.append(drafts)
+                block = [last] + drafts
+                t.decode(block, n_past, logits=True)
+                argmax = t.output_logits().argmax(axis=1)
+                if k == "g":
+                    k = 0
+                    while k < len(drafts) and argmax[k] == drafts[k]:
+                        k += 1
+                k = min(k, len(drafts))
+                t.remove(0, n_past + 1 + k)
+                seq += block[: k + 1]
+                source.observe(Commit(n_past, block[: k + 1], sequence=seq))
+                last = int(argmax[k])
+            return out
+        finally:
+            source.close()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["varied", "repeats"])
+def test_drafts_what_upstreams_driver_drafts(oracle, mtp_target, prompt):
+    want = upstream_drafts(oracle, mtp_target, prompt, CYCLES)
+    assert [len(d) for d in want] == [n for n, _ in CYCLES]
+    assert our_drafts(mtp_target, prompt, CYCLES) == want
+
+
+def test_heads_shipped_apart_draft_as_the_heads_inside(oracle, mtp_target, hybrid_models):
+    """mtp-qwen35.gguf (upstream's --mtp) beside the trunk converted without its head drafts what the head
+    inside qwen35-mtp.gguf drafts, and so what upstream's driver drafts."""
+    prompt = PROMPTS[1]
+    want = upstream_drafts(oracle, mtp_target, prompt, CYCLES)
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    assert our_drafts(hybrid_models.target("qwen35"), prompt, CYCLES, heads=heads) == want
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(mtp_target, embedded_target):
+    with Target.open(embedded_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        with pytest.raises(ValueError, match="not MTP heads for this target: it is a qwen35, the target a llama"):
+            MTPSource(t, heads=mtp_target.parent / "mtp-qwen35.gguf")
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        with pytest.raises(ValueError, match="not a GGUF file"):
+            MTPSource(t, heads=mtp_target.parent / "qwen35-mtp-hf" / "config.json")
+
+
+def test_the_draft_comparison_sees_a_lost_carry(oracle, mtp_target):
+    """Not vacuous: pairing a batch's first token with the wrong row (no carry) changes the drafts."""
+    prompt = PROMPTS[0]
+    want = upstream_drafts(oracle, mtp_target, prompt, CYCLES[:2])
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t, max_draft=16)
+        try:
+            t.decode(prompt, 0, logits="last")
+            source.observe(Commit(0, prompt, sequence=list(prompt)))
+            source._carry[:] = 0.0  # the carry into the first draft, lost
+            got = source.propose(int(t.output_logits()[-1].argmax()), len(prompt), 4, SamplingParams(),
+                                 np.random.default_rng(0)).tokens.tolist()
+        finally:
+            source.close()
+    assert got != want[0]
+
+
+# --- the Session ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_target):
+    from test_hybrid_session import MARGIN, N_TOKENS, PROMPT, plain_greedy
+
+    tokens, gap = plain_greedy(mtp_target, PROMPT, N_TOKENS)
+    assert gap > MARGIN, f"a near tie ({gap:.4f}) in the reference: pick another prompt"
+    return PROMPT, tokens
+
+
+def open_session(target: Path, **options) -> Session:
+    return Session(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, **options)
+
+
+def test_a_target_with_mtp_heads_drafts_with_them_by_default(mtp_target, hybrid_models):
+    with open_session(mtp_target) as s:
+        assert [src.name for src in s._sources] == ["lookup", MTP_SOURCE]
+        assert s.target.n_mtp_heads == 1
+    with open_session(mtp_target, lookup=False) as s:
+        assert [src.name for src in s._sources] == [MTP_SOURCE]
+    with open_session(hybrid_models.target("qwen35")) as s:  # the same trunk, converted without its head
+        assert [src.name for src in s._sources] == ["lookup"]
+
+
+def test_heads_not_loaded_are_refused_before_libllama_sees_them(mtp_target):
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:  # load_mtp=False
+        assert t.n_mtp_heads == 0
+        assert "no MTP heads loaded" in mtp_unusable_reason(t)
+        with pytest.raises(ValueError, match="no MTP heads loaded"):
+            MTPSource(t)
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="max_draft"):
+                MTPSource(t, max_draft=bad)
+
+
+@pytest.mark.parametrize("block", [2, 4, 8, None])
+def test_greedy_output_is_plain_decoding_with_mtp_alone(mtp_target, reference, block):
+    prompt, want = reference
+    with open_session(mtp_target, lookup=False) as s:
+        r = s.generate(prompt, max_tokens=len(want), block_size=block)
+        assert r.tokens == want
+        mtp = r.stats.per_source.get(MTP_SOURCE)
+        assert mtp is not None and mtp.n_drafted > 0
+        if block is not None:
+            # a fixed block drafts every cycle but the last (max_tokens leaves it no room for a draft)
+            per_cycle = min(block - 1, s._mtp.max_draft)
+            assert r.stats.plain_cycles <= 1 and mtp.n_drafted >= (r.stats.cycles - 1) * per_cycle // 2
+
+
+@pytest.mark.parametrize("block", [4, None])
+def test_greedy_output_is_plain_decoding_with_mtp_and_lookup(mtp_target, reference, block):
+    """Both sources offer every cycle. This random model never repeats itself, so lookup finds no match to
+    draft from here: what this holds is that lookup's presence changes nothing (its index and MTP's context
+    follow the same commits); the arbitration itself is AdaptivePolicy's, tested in test_controller."""
+    prompt, want = reference
+    with open_session(mtp_target) as s:
+        assert [src.name for src in s._sources] == ["lookup", MTP_SOURCE]
+        r = s.generate(prompt, max_tokens=len(want), block_size=block)
+        assert r.tokens == want
+        assert r.stats.per_source[MTP_SOURCE].n_drafted > 0
+        assert s._lookup.cached() == s._mtp.cached() == len(s._cache.tokens)
+
+
+@pytest.mark.parametrize("block", [4, None])
+def test_greedy_output_is_plain_decoding_with_mtp_beside_a_dflash_drafter(mtp_target, hybrid_models, reference, block):
+    """The trunk's DFlash drafter (converted against the same trunk without its head: the same fingerprint)
+    and the heads, both offered every cycle: the policy arbitrates, a fixed block drafts from the first."""
+    prompt, want = reference
+    with Session(mtp_target, hybrid_models.drafter("qwen35"), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1,
+                 n_rs_seq=N_RS_SEQ, lookup=False) as s:
+        assert [src.name for src in s._sources] == [MTP_SOURCE, "dflash"] and s.mtp
+        r = s.generate(prompt, max_tokens=len(want), block_size=block)
+        assert r.tokens == want
+        if block is not None:
+            assert r.stats.per_source[MTP_SOURCE].n_drafted > 0
+
+
+def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
+    """A grammar that admits the random head's drafts (no digits), so they are verified under the mask."""
+    regex = r"[^0-9]{0,300}"
+    with open_session(mtp_target, lookup=False) as s:
+        want = s.generate("Good morning!", max_tokens=32, regex=regex, speculative=False)
+        assert want.stats.n_tokens == 32
+        for block in (3, None):
+            s.reset()
+            r = s.generate("Good morning!", max_tokens=32, regex=regex, block_size=block)
+            assert r.tokens == want.tokens, f"block {block}"
+            assert r.stats.per_source[MTP_SOURCE].n_drafted > 0, f"block {block}"
+
+
+def test_random_heads_are_learnt_to_fail(mtp_target, reference):
+    """A random head's drafts fail, and MTP's own acceptance model learns it: what it offers falls from its
+    prior. (Whether the policy then drafts depends on the measured costs: scripts/bench_mtp.py measures it.)"""
+    prompt, want = reference
+    with open_session(mtp_target, lookup=False) as s:
+        prior = s._mtp.offer(0, 0, 3).expected
+        r = s.generate(prompt, max_tokens=len(want), block_size=4)  # every cycle drafts: evidence to learn from
+        mtp = r.stats.per_source[MTP_SOURCE]
+        assert mtp.n_drafted > 30 and mtp.n_accepted <= mtp.n_drafted // 10
+        learnt = s._mtp.offer(want[-1], len(s._cache.tokens), 3).expected
+        assert learnt[1] < 1 + 0.5 * (prior[1] - 1) and learnt[-1] < prior[-1]
+
+
+def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_target):
+    """Block 2 at temperature 0.6: the second token of a reply is verified against a draft the head sampled
+    from its own distribution q (accepted with min(1, p/q), else drawn from the residual). Its law given
+    the first token is the target's p; a loop that took the head's drafts unverified would follow q."""
+    from chi_square import chi_square_p_value
+    from test_session_sampling import ALPHA, next_token_probs
+
+    params = SamplingParams(temperature=0.6)
+    with open_session(mtp_target, lookup=False) as s, \
+            Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as reference:
+        runs = [s.generate("Good morning!", max_tokens=3, temperature=0.6, seed=seed, block_size=2) for seed in range(240)]
+        runs = [r for r in runs if len(r.tokens) >= 2]
+        assert all(r.stats.per_source[MTP_SOURCE].n_drafted >= 1 for r in runs)
+        firsts = [r.tokens[0] for r in runs]
+        first = max(set(firsts), key=firsts.count)
+        after = [r.tokens[1] for r in runs if r.tokens[0] == first]
+        assert len(after) > 60
+        prompt = reference.tokenize("Good morning!")
+        probs = next_token_probs(reference, prompt + [first], params)
+        assert chi_square_p_value(after, probs) > ALPHA
+        with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
+            source = MTPSource(t)
+            try:
+                t.decode(prompt, 0)
+                source.observe(Commit(0, prompt, sequence=list(prompt)))
+                q = source.propose(first, len(prompt), 1, params, np.random.default_rng(0)).q[0]
+            finally:
+                source.close()
+        assert 0.5 * np.abs(q - probs).sum() > 0.3  # the head's law is far from the target's
+        assert chi_square_p_value(after, q) < ALPHA
+
+
+def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target, reference, tmp_path):
+    """The prompt cache restores the target's state, not the MTP context's (not stored yet): the restored
+    positions have no MTP state, and the Session still restores, drafts with the heads and matches plain."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    prompt, want = reference
+    cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
+    with Session(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, lookup=False,
+                 prompt_cache=cache) as s:
+        first = s.generate(prompt, max_tokens=len(want), block_size=3)
+        assert first.stats.prompt_cache.stored and first.tokens == want
+        with s.fork() as other:
+            again = other.generate(prompt, max_tokens=len(want), block_size=3)
+    assert again.stats.prompt_cache.tier == "ram" and again.stats.n_cached_tokens > 0
+    assert again.tokens == want
+    assert again.stats.per_source[MTP_SOURCE].n_drafted > 0
+
+
+def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, capsys):
+    import json
+
+    from dflash_gguf.doctor import main
+
+    assert main(["--target", str(mtp_target), "--n-ctx", "512", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "sources    lookup, mtp\n" in text and "the target's own MTP heads draft" in text
+    assert main(["--target", str(hybrid_models.target("qwen35")), "--n-ctx", "512", "--threads", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pair"]["sources"] == ["lookup"]
