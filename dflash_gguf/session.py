@@ -148,6 +148,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
             type_k=o.type_k,
             type_v=o.type_v,
+            rpc_servers=o.rpc_servers,
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,

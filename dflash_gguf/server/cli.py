@@ -22,7 +22,8 @@ from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, Ge
 from .config import DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS,
+           "rpc_servers")
 GENERATION = ("block_size",)
 
 
