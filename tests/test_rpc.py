@@ -15,12 +15,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 from chi_square import chi_square_p_value
+from rpc_fixtures import free_port, rpc_servers, server_binary
 
 from dflash_gguf import SamplingParams, Session, SessionOptions, SettingError, Target
 from dflash_gguf import rpc
@@ -79,15 +77,9 @@ def test_every_command_takes_rpc_and_a_bad_address_is_one_line(prog, main, capsy
     assert "argument --rpc: an RPC server is host:port" in err and err.count("\n") == 1, err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_port_nobody_listens_on_is_an_rpc_error():
     with pytest.raises(rpc.RpcError, match="cannot connect .* is rpc-server running there"):
-        rpc.probe(f"127.0.0.1:{_free_port()}")
+        rpc.probe(f"127.0.0.1:{free_port()}")
 
 
 def test_an_unresolvable_host_is_an_rpc_error():
@@ -134,49 +126,13 @@ def test_without_an_rpc_build_a_session_asking_for_servers_says_how_to_build_one
 
 
 # -- two loopback rpc-servers: the RPC build ------------------------------------------------------------
-def _server_binary() -> Path | None:
-    path = Path(os.environ.get("DFLASH_RPC_SERVER", Path(sys.executable).parent / "ggml-rpc-server"))
-    return path if path.is_file() else None
-
-
 needs_rpc = pytest.mark.skipif(
-    not rpc.supported() or _server_binary() is None,
+    not rpc.supported() or server_binary() is None,
     reason="needs the RPC build and its rpc-server: scripts/build_rpc.sh pytest tests/test_rpc.py")
-
-
-@contextmanager
-def rpc_servers(n: int, tmp_path: Path) -> Iterator[dict[str, subprocess.Popen]]:
-    """n rpc-server processes on free loopback ports (one CPU thread each), by endpoint, ready when the probe
-    answers; killed at the end."""
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        for _ in range(n):
-            port = _free_port()
-            with open(tmp_path / f"rpc-server-{port}.log", "w") as log:
-                procs[f"127.0.0.1:{port}"] = subprocess.Popen(
-                    [str(_server_binary()), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                    stdout=log, stderr=subprocess.STDOUT)
-        for endpoint, proc in procs.items():
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, f"rpc-server {endpoint} exited with {proc.returncode}"
-                try:
-                    rpc.probe(endpoint, timeout=5)
-                    break
-                except rpc.RpcError:
-                    assert time.monotonic() < deadline, f"rpc-server {endpoint} did not come up"
-                    time.sleep(0.1)
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    if not rpc.supported() or _server_binary() is None:
-        pytest.skip("needs the RPC build and its rpc-server: scripts/build_rpc.sh pytest tests/test_rpc.py")
     with rpc_servers(2, tmp_path_factory.mktemp("rpc")) as procs:
         yield list(procs)
 
@@ -264,7 +220,7 @@ def test_a_second_session_on_servers_in_use_shares_the_connection(remote, server
 @pytest.mark.slow
 def test_bad_servers_with_the_rpc_build_are_errors_before_libllama_sees_them(monkeypatch):
     with pytest.raises(rpc.RpcError, match="cannot connect"):
-        Session(n_ctx=256, rpc_servers=[f"127.0.0.1:{_free_port()}"], n_gpu_layers=-1)
+        Session(n_ctx=256, rpc_servers=[f"127.0.0.1:{free_port()}"], n_gpu_layers=-1)
     monkeypatch.setattr(rpc, "PROBE_TIMEOUT_S", 0.3)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -315,7 +271,7 @@ def test_dflash_serve_with_rpc_answers_as_a_local_session(local, tmp_path):
     import httpx
 
     with rpc_servers(2, tmp_path) as servers:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "dflash_gguf.server.cli", "--port", str(port), "--n-ctx", "512",
                                  "--threads", "1", "--n-gpu-layers", "-1", "--rpc", ",".join(servers),
                                  "--log-level", "warning"], stderr=subprocess.PIPE, text=True,
@@ -343,25 +299,38 @@ def test_dflash_serve_with_rpc_answers_as_a_local_session(local, tmp_path):
 
 @needs_rpc
 @pytest.mark.slow
-def test_dflash_chat_with_rpc_replies_as_a_local_session(local, tmp_path):
-    """dflash-chat --rpc: its Session opens in the worker process with the servers, and replies there."""
+def test_dflash_chat_with_rpc_replies_as_a_local_session_and_a_lost_server_is_a_failed_reply(local, tmp_path):
+    """dflash-chat --rpc: its Session opens in the worker process with the servers and replies there; a server
+    killed mid-reply ends that process, and the reply fails with the reason instead of hanging the UI."""
     from dflash_gguf.config import GenerationConfig
     from dflash_gguf.tui.cli import parse_options
     from dflash_gguf.tui.process_worker import ProcessWorker, SessionSpec
 
     messages = [{"role": "user", "content": PROMPTS[2]}]
+
+    def reply(worker: ProcessWorker, config: GenerationConfig, steps: list, on_step=None):
+        ended: list = []
+        done = threading.Event()
+        worker.reply(messages, config, steps, lambda message: (ended.append(message), done.set()))
+        if on_step is not None:
+            while not steps:
+                assert not done.is_set(), ended
+                time.sleep(0.05)
+            on_step()
+        assert done.wait(300), "the reply did not end"
+        return ended[0]
+
     with rpc_servers(2, tmp_path) as servers:
         args, _ = parse_options(["--rpc", ",".join(servers), "--n-gpu-layers", "-1", "--n-ctx", "512", "--threads", "1"])
         assert args.session.rpc_servers == tuple(servers)
         worker = ProcessWorker(SessionSpec(options=args.session))
         try:
             steps: list = []
-            ended: list = []
-            done = threading.Event()
-            worker.reply(messages, GenerationConfig(max_tokens=32, temperature=0), steps,
-                         lambda message: (ended.append(message), done.set()))
-            assert done.wait(300), "the reply did not end"
+            end = reply(worker, GenerationConfig(max_tokens=32, temperature=0), steps)
+            assert type(end).__name__ == "ReplyFinished", end
+            assert [t for step in steps for t in step.tokens] == local.chat(messages, max_tokens=32, temperature=0).tokens
+            victim = list(servers.values())[0]
+            failed = reply(worker, GenerationConfig(max_tokens=4000, temperature=0.8, seed=1), [], victim.kill)
         finally:
             worker.close()
-    assert type(ended[0]).__name__ == "ReplyFinished", ended
-    assert [t for step in steps for t in step.tokens] == local.chat(messages, max_tokens=32, temperature=0).tokens
+    assert type(failed).__name__ == "ReplyFailed" and "lost an RPC server" in failed.error, failed
