@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any, Sequence
 
 from llama_cpp import llama_cpp as capi
@@ -146,12 +147,15 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> int:
 
 
 def _reachable(endpoint: str, timeout: float) -> bool:
-    """Whether the server still accepts connections (for naming the lost one; it may be busy with ours)."""
+    """Whether the server still listens: a refused connection says it is gone. One busy with this process
+    may leave a connection waiting in its backlog until the timeout, which still means it is there."""
     try:
         socket.create_connection(_address(endpoint), timeout=timeout).close()
+    except socket.timeout:
         return True
     except OSError:
         return False
+    return True
 
 
 _lock = threading.Lock()
@@ -166,6 +170,7 @@ def _on_abort(message: bytes | None) -> None:
     if "RPC" not in text:
         print(text, file=sys.stderr, flush=True)
         return  # ggml_abort goes on to abort()
+    time.sleep(0.5)  # a killed server's listening socket may outlive its connection by a moment
     lost = [e for e in _servers if not _reachable(e, 1.0)]
     what = f"lost the RPC server{'s' if len(lost) > 1 else ''} {', '.join(lost)}" if lost else \
         f"the RPC backend failed (servers {', '.join(_servers)})"

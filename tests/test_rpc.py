@@ -26,6 +26,7 @@ from dflash_gguf.sampling import probabilities
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]
 ALPHA = 1e-3
+BLOCK = 4  # a fixed block: every cycle verifies drafts over the network (adaptive blocks mostly decode plainly here)
 
 
 # -- addresses and probes: no RPC build needed -------------------------------------------------------------
@@ -163,9 +164,10 @@ def test_the_target_is_split_over_the_two_servers_and_the_drafter_stays_local(re
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_output_over_rpc_is_the_local_output(local, remote, prompt):
-    ours = remote.chat([{"role": "user", "content": prompt}], max_tokens=48, temperature=0)
-    theirs = local.chat([{"role": "user", "content": prompt}], max_tokens=48, temperature=0)
-    assert ours.tokens == theirs.tokens
+    messages = [{"role": "user", "content": prompt}]
+    ours = remote.chat(messages, max_tokens=48, temperature=0, block_size=BLOCK)
+    assert ours.tokens == local.chat(messages, max_tokens=48, temperature=0, block_size=BLOCK).tokens
+    assert ours.tokens == local.chat(messages, max_tokens=48, temperature=0, speculative=False).tokens
     stats = remote.last_stats
     assert stats.speculative and stats.cycles < len(ours.tokens)  # drafts were verified over the network
 
@@ -179,8 +181,9 @@ def test_a_target_split_between_the_local_cpu_and_a_server_decodes_as_a_local_on
         placement = s.placement
         assert placement.on_cpu and placement.n_offloaded == 16 and placement.gpus[0].description == servers[0]
         for prompt in PROMPTS[:2]:
-            ours = s.chat([{"role": "user", "content": prompt}], max_tokens=48, temperature=0)
-            assert ours.tokens == local.chat([{"role": "user", "content": prompt}], max_tokens=48, temperature=0).tokens
+            messages = [{"role": "user", "content": prompt}]
+            ours = s.chat(messages, max_tokens=48, temperature=0, block_size=BLOCK)
+            assert ours.tokens == local.chat(messages, max_tokens=48, temperature=0, block_size=BLOCK).tokens
 
 
 @needs_rpc
@@ -229,11 +232,14 @@ def test_bad_servers_with_the_rpc_build_are_errors_before_libllama_sees_them(mon
             Session(n_ctx=256, rpc_servers=[f"127.0.0.1:{listener.getsockname()[1]}"], n_gpu_layers=-1)
 
 
-LOSE_A_SERVER = """
+# the grammar leaves no end of text within the context: the generation still runs when the server is killed
+LONG = "root ::= [a-z ,.]{1500,}"
+LOSE_A_SERVER = f"""
 import sys
 from dflash_gguf import Session
 with Session(n_ctx=512, n_threads=1, rpc_servers=sys.argv[1:], n_gpu_layers=-1) as s:
-    for step in s.stream("Tell me a long story about the sea.", max_tokens=4000, temperature=0.8, seed=1):
+    for step in s.stream_chat([{{"role": "user", "content": "Tell me a long story."}}], max_tokens=2000,
+                              temperature=0.8, seed=1, grammar={LONG!r}):
         print("step", flush=True)
 """
 
@@ -330,7 +336,8 @@ def test_dflash_chat_with_rpc_replies_as_a_local_session_and_a_lost_server_is_a_
             assert type(end).__name__ == "ReplyFinished", end
             assert [t for step in steps for t in step.tokens] == local.chat(messages, max_tokens=32, temperature=0).tokens
             victim = list(servers.values())[0]
-            failed = reply(worker, GenerationConfig(max_tokens=4000, temperature=0.8, seed=1), [], victim.kill)
+            failed = reply(worker, GenerationConfig(max_tokens=2000, temperature=0.8, seed=1, grammar=LONG), [],
+                           victim.kill)
         finally:
             worker.close()
     assert type(failed).__name__ == "ReplyFailed" and "lost an RPC server" in failed.error, failed
