@@ -40,6 +40,10 @@ _CMD_DEVICE_COUNT = 15
 _CONN_CAPS_SIZE = 24
 _HELLO_RSP_SIZE = 4 + _CONN_CAPS_SIZE
 PROBE_TIMEOUT_S = 5.0
+# ggml's connections: a server gone without a reset is noticed after IDLE + INTERVAL x PROBES seconds of
+# silence, or when data sent to it stays unacknowledged for USER_TIMEOUT_MS
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+USER_TIMEOUT_MS = 30_000
 # sysexits.h EX_UNAVAILABLE: a service the process depends on is gone
 EXIT_RPC_LOST = 69
 BUILD_HINT = "build one with scripts/build_rpc.sh (llama-cpp-python with CMAKE_ARGS=-DGGML_RPC=on)"
@@ -262,11 +266,56 @@ def model_devices(endpoints: Sequence[str]) -> list[int] | None:
     return remote + local_devices()
 
 
+def connections(endpoint: str) -> list[socket.socket]:
+    """This process's TCP connections to `endpoint` (ggml's among them), each as a socket on a duplicate of
+    its descriptor: options set on it are the connection's own. Read from /proc/self/fd (Linux; none
+    elsewhere). Close them after use; the connections stay open."""
+    address = _address(endpoint)
+    found: list[socket.socket] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            match = sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM and sock.getpeername() == address
+        except OSError:
+            match = False
+        if match:
+            found.append(sock)
+        else:
+            sock.close()
+    return found
+
+
+def _keep_alive(endpoint: str) -> None:
+    """TCP keepalive and a user timeout on ggml's connection to a server: a machine that vanishes (powered
+    off, cable pulled) sends no reset, and ggml's client would wait in recv() for ever; with these the
+    kernel ends the connection after KEEPALIVE_* / USER_TIMEOUT_MS, ggml's client fails, the abort hook
+    names the server. A server that is alive but slow is not cut: its kernel answers the probes."""
+    for sock in connections(endpoint):
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                                  ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+                if hasattr(socket, option):
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def hold(model: int, endpoints: Sequence[str]) -> None:
-    """A loaded model holds buffers on these servers (its connection to them stays open) until released."""
+    """A loaded model holds buffers on these servers (its connection to them stays open, kept alive) until
+    released."""
     if endpoints:
         with _lock:
             _holders[model] = tuple(endpoints)
+        for endpoint in endpoints:
+            _keep_alive(endpoint)
 
 
 def release(model: int) -> None:

@@ -162,6 +162,24 @@ def test_the_target_is_split_over_the_two_servers_and_the_drafter_stays_local(re
 
 @needs_rpc
 @pytest.mark.slow
+def test_the_connections_to_the_servers_are_kept_alive(remote, servers):
+    """A server machine that vanishes without a reset ends the connection after the keepalive probes,
+    instead of leaving ggml's client in recv() for ever."""
+    for endpoint in servers:
+        socks = rpc.connections(endpoint)
+        try:
+            assert socks, f"no connection to {endpoint}"
+            for sock in socks:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == rpc.KEEPALIVE_IDLE_S
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == rpc.USER_TIMEOUT_MS
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+@needs_rpc
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_output_over_rpc_is_the_local_output(local, remote, prompt):
     messages = [{"role": "user", "content": prompt}]
