@@ -129,7 +129,8 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> int:
     except socket.timeout:
         raise RpcError(f"RPC server {endpoint}: no answer to a connection within {timeout:g} s") from None
     except OSError as e:
-        raise RpcError(f"RPC server {endpoint}: cannot connect ({e.strerror or e}); is rpc-server running there?") from None
+        raise RpcError(f"RPC server {endpoint}: cannot connect ({e.strerror or e}); "
+                       "is rpc-server running there?") from None
     with sock:
         try:
             hello = _command(sock, _CMD_HELLO, bytes(_CONN_CAPS_SIZE), _HELLO_RSP_SIZE)
@@ -144,7 +145,8 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> int:
                            f"{timeout:g} s: rpc-server serves one client at a time (is another process using it?), "
                            "or this port is not an rpc-server") from None
         except OSError as e:
-            raise RpcError(f"RPC server {endpoint}: the RPC handshake failed ({e}); is this port an rpc-server?") from None
+            raise RpcError(f"RPC server {endpoint}: the RPC handshake failed ({e}); "
+                           "is this port an rpc-server?") from None
     if count == 0:
         raise RpcError(f"RPC server {endpoint} lends no device")
     return count

@@ -345,14 +345,16 @@ def test_dflash_chat_with_rpc_replies_as_a_local_session_and_a_lost_server_is_a_
         return ended[0]
 
     with rpc_servers(2, tmp_path) as servers:
-        args, _ = parse_options(["--rpc", ",".join(servers), "--n-gpu-layers", "-1", "--n-ctx", "512", "--threads", "1"])
+        args, _ = parse_options(["--rpc", ",".join(servers), "--n-gpu-layers", "-1", "--n-ctx", "512",
+                                 "--threads", "1"])
         assert args.session.rpc_servers == tuple(servers)
         worker = ProcessWorker(SessionSpec(options=args.session))
         try:
             steps: list = []
             end = reply(worker, GenerationConfig(max_tokens=32, temperature=0), steps)
             assert type(end).__name__ == "ReplyFinished", end
-            assert [t for step in steps for t in step.tokens] == local.chat(messages, max_tokens=32, temperature=0).tokens
+            theirs = local.chat(messages, max_tokens=32, temperature=0)
+            assert [t for step in steps for t in step.tokens] == theirs.tokens
             victim = list(servers.values())[0]
             failed = reply(worker, GenerationConfig(max_tokens=2000, temperature=0.8, seed=1, grammar=LONG), [],
                            victim.kill)
