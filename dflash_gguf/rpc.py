@@ -171,7 +171,8 @@ _holders: dict[int, tuple[str, ...]] = {}  # loaded model (address) -> the serve
 
 @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 def _on_abort(message: bytes | None) -> None:
-    """ggml_abort's hook: a lost RPC server becomes one line and EXIT_RPC_LOST; any other abort is ggml's."""
+    """ggml_abort's hook: a lost RPC server becomes one line and EXIT_RPC_LOST. Any other abort prints ggml's
+    message and goes on to abort() as before, without ggml's backtrace (the hook replaces its printing)."""
     text = (message or b"").decode("utf-8", errors="replace")
     if "RPC" not in text:
         print(text, file=sys.stderr, flush=True)
@@ -225,8 +226,9 @@ def connect(endpoints: Sequence[str]) -> list[int]:
             if not _servers:
                 _set_abort_callback(ctypes.cast(_on_abort, ctypes.c_void_p))
             reg = add_server(endpoint.encode())
-            if not reg or llama_ext.reg_dev_count(reg) != count:
-                raise RpcError(f"RPC server {endpoint}: registering it with ggml gave no devices")
+            registered = llama_ext.reg_dev_count(reg) if reg else 0
+            if registered != count:
+                raise RpcError(f"RPC server {endpoint}: ggml found {registered} devices there, the probe {count}")
             llama_ext.register(reg)
             _servers[endpoint] = tuple(llama_ext.reg_dev_get(reg, i) for i in range(count))
         return [dev for endpoint in endpoints for dev in _servers[endpoint]]
