@@ -8,14 +8,12 @@ n_gpu_layers=0 still runs on the CPU.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 from llama_cpp import llama_cpp as capi
-from llama_cpp._ggml import libggml
 
 from . import llama_ext
 from .target import init_backend, system_info
@@ -23,25 +21,6 @@ from .target import init_backend, system_info
 # enum ggml_backend_dev_type (ggml-backend.h), in order
 DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
 GPU_KINDS = ("gpu", "igpu")
-
-
-def _ggml(name: str, argtypes: list[Any], restype: Any) -> Any:
-    """A libggml function with its C signature; libggml[name] is a new function object, so nobody else's
-    binding of the same symbol is changed."""
-    func = libggml[name]
-    func.argtypes, func.restype = argtypes, restype
-    return func
-
-
-_dev_count = _ggml("ggml_backend_dev_count", [], ctypes.c_size_t)
-_dev_get = _ggml("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p)
-_dev_name = _ggml("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p)
-_dev_description = _ggml("ggml_backend_dev_description", [ctypes.c_void_p], ctypes.c_char_p)
-_dev_type = _ggml("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int)
-_dev_reg = _ggml("ggml_backend_dev_backend_reg", [ctypes.c_void_p], ctypes.c_void_p)
-_reg_name = _ggml("ggml_backend_reg_name", [ctypes.c_void_p], ctypes.c_char_p)
-_reg_count = _ggml("ggml_backend_reg_count", [], ctypes.c_size_t)
-_reg_get = _ggml("ggml_backend_reg_get", [ctypes.c_size_t], ctypes.c_void_p)
 
 
 @dataclass(frozen=True)
@@ -68,16 +47,16 @@ def _text(raw: bytes | None) -> str:
 
 
 def _device(dev: int) -> Device:
-    kind = _dev_type(dev)
-    return Device(name=_text(_dev_name(dev)), description=_text(_dev_description(dev)),
+    kind = llama_ext.dev_type(dev)
+    return Device(name=_text(llama_ext.dev_name(dev)), description=_text(llama_ext.dev_description(dev)),
                   kind=DEVICE_KINDS[kind] if 0 <= kind < len(DEVICE_KINDS) else f"type {kind}",
-                  backend=_text(_reg_name(_dev_reg(dev))))
+                  backend=_text(llama_ext.reg_name(llama_ext.dev_backend_reg(dev))))
 
 
 def devices() -> list[Device]:
     """Every device ggml registered, in its order (the CPU, accelerators like BLAS, GPUs)."""
     init_backend()  # loads the backends of a GGML_BACKEND_DL build; once per process
-    return [_device(_dev_get(i)) for i in range(_dev_count())]
+    return [_device(llama_ext.dev_get(i)) for i in range(llama_ext.dev_count())]
 
 
 def gpu_devices() -> list[Device]:
@@ -91,7 +70,7 @@ def backends() -> str:
     From ggml's registry: libllama's system info lists only backends with features to show (the CPU's).
     """
     init_backend()
-    return ", ".join(_text(_reg_name(_reg_get(i))) for i in range(_reg_count())) or "unknown"
+    return ", ".join(_text(llama_ext.reg_name(llama_ext.reg_get(i))) for i in range(llama_ext.reg_count())) or "unknown"
 
 
 def build() -> dict[str, Any]:

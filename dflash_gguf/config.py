@@ -19,6 +19,7 @@ from .checks import SettingError, boolean, checked, integer, optional, optional_
 from .constraints import KINDS as CONSTRAINT_KINDS
 from .constraints import ConstraintSpec, compile_grammar, schema_text
 from .prompt_cache import DEFAULT_DISK_BYTES, PromptCache, parse_size
+from .rpc import check_endpoints
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
 from .target import KV_TYPES, QUANTIZED_KV_TYPES
@@ -190,9 +191,17 @@ class SessionOptions:
     type_v_draft: str | None = setting(None, _kv_type("as the target"),
                                        "drafter KV cache type for V (default: as the target)",
                                        flags=("--cache-type-v-draft", "-ctvd"), parse=str)
+    # llama.cpp's RPC backend (upstream's --rpc): other machines' devices take the target's offloaded layers
+    rpc_servers: tuple[str, ...] = setting((), check_endpoints,
+                                           "rpc-servers lending their devices to the target's offloaded layers, "
+                                           "host:port[,host:port...] (needs an RPC build: scripts/build_rpc.sh; "
+                                           "the drafter stays local; default: none)", flags=("--rpc",), parse=str)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.rpc_servers and self.n_gpu_layers == 0:  # only offloaded layers go to a device, remote or not
+            raise SettingError("rpc_servers", "needs n_gpu_layers -1 (all) or how many layers the devices take; "
+                               "with 0 no layer reaches the RPC servers")
         if not self.flash_attn:  # libllama reads a V cache transposed without it, which quantized blocks cannot be
             for name in ("type_v", "type_v_draft"):
                 if getattr(self, name) in QUANTIZED_KV_TYPES:

@@ -203,3 +203,47 @@ def mtp_api_present() -> bool:
 def layer_input_api_present() -> bool:
     """Whether the loaded libllama has the layer-input API DFlash reads the target's features through."""
     return all(getattr(f, "__name__", "") != "missing" for f in (set_embeddings_layer_inp, get_embeddings_layer_inp))
+
+
+# -- ggml's backend registry (ggml-backend.h), which llama-cpp-python does not bind ---------------------------
+def ggml_function(name: str, argtypes: list[Any], restype: Any) -> Callable[..., Any]:
+    """A libggml function with its C signature; libggml[name] is a new function object, so nobody else's
+    binding of the same symbol is changed."""
+    from llama_cpp._ggml import libggml
+
+    func = libggml[name]
+    func.argtypes, func.restype = argtypes, restype
+    return func
+
+
+_p = ctypes.c_void_p  # ggml_backend_dev_t, ggml_backend_reg_t: opaque handles, bound as addresses
+dev_count = ggml_function("ggml_backend_dev_count", [], ctypes.c_size_t)
+dev_get = ggml_function("ggml_backend_dev_get", [ctypes.c_size_t], _p)
+dev_name = ggml_function("ggml_backend_dev_name", [_p], ctypes.c_char_p)
+dev_description = ggml_function("ggml_backend_dev_description", [_p], ctypes.c_char_p)
+dev_type = ggml_function("ggml_backend_dev_type", [_p], ctypes.c_int)
+dev_backend_reg = ggml_function("ggml_backend_dev_backend_reg", [_p], _p)
+reg_name = ggml_function("ggml_backend_reg_name", [_p], ctypes.c_char_p)
+reg_count = ggml_function("ggml_backend_reg_count", [], ctypes.c_size_t)
+reg_get = ggml_function("ggml_backend_reg_get", [ctypes.c_size_t], _p)
+reg_by_name = ggml_function("ggml_backend_reg_by_name", [ctypes.c_char_p], _p)
+reg_dev_count = ggml_function("ggml_backend_reg_dev_count", [_p], ctypes.c_size_t)
+reg_dev_get = ggml_function("ggml_backend_reg_dev_get", [_p, ctypes.c_size_t], _p)
+reg_get_proc_address = ggml_function("ggml_backend_reg_get_proc_address", [_p, ctypes.c_char_p], _p)
+register = ggml_function("ggml_backend_register", [_p], None)
+
+
+class DevCaps(ctypes.Structure):
+    """struct ggml_backend_dev_caps"""
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool), ("buffer_from_host_ptr", ctypes.c_bool),
+                ("events", ctypes.c_bool)]
+
+
+class DevProps(ctypes.Structure):
+    """struct ggml_backend_dev_props"""
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p), ("memory_free", ctypes.c_size_t),
+                ("memory_total", ctypes.c_size_t), ("type", ctypes.c_int), ("device_id", ctypes.c_char_p),
+                ("caps", DevCaps)]
+
+
+dev_get_props = ggml_function("ggml_backend_dev_get_props", [_p, ctypes.POINTER(DevProps)], None)

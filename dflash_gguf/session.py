@@ -151,6 +151,7 @@ class Session:
             type_k=o.type_k,
             type_v=o.type_v,
             load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
+            rpc_servers=o.rpc_servers,
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,

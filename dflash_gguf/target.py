@@ -19,7 +19,7 @@ import numpy as np
 from llama_cpp import llama_cpp as capi
 from llama_cpp._logger import set_verbose
 
-from . import llama_ext
+from . import llama_ext, rpc
 from .schema import Keys
 from .target_gguf import check_feature_layers
 from .target_gguf import fingerprint as gguf_fingerprint
@@ -71,19 +71,29 @@ def check_gguf_file(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def load_model(path: str | os.PathLike[str], *, n_gpu_layers: int = 0, load_mtp: bool = False) -> capi.llama_model_p:
+def load_model(path: str | os.PathLike[str], *, n_gpu_layers: int = 0, load_mtp: bool = False,
+               rpc_servers: Sequence[str] = ()) -> capi.llama_model_p:
     """llama_model_load_from_file with the file checked first and NULL turned into ValueError.
 
-    load_mtp: also load the model's MTP (nextn) heads, if it has any, for an MTP draft context (mtp.py)."""
+    load_mtp: also load the model's MTP (nextn) heads, if it has any, for an MTP draft context (mtp.py).
+    rpc_servers: 'host:port' of rpc-servers whose devices take the offloaded layers, with the local GPUs
+    (each probed first: rpc.connect). Once any server is registered in the process, a model given none
+    gets the local devices only, so a drafter never lands on a target's servers.
+    """
     p = check_gguf_file(path)
     if not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
         raise ValueError(f"n_gpu_layers must be an integer >= -1 (-1 = all), got {n_gpu_layers!r}")
     params = capi.llama_model_default_params()
     params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
     params.load_mtp = bool(load_mtp)
+    devices = rpc.model_devices(rpc_servers)
+    if devices is not None:
+        listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated; alive during the load
+        params.devices = ctypes.addressof(listed)
     model = capi.llama_model_load_from_file(str(p).encode(), params)
     if not model:
         raise ValueError(f"{p}: libllama could not load this GGUF (corrupt, truncated or unsupported architecture)")
+    rpc.hold(model, rpc_servers)
     return model
 
 
@@ -281,6 +291,7 @@ class SharedModel:
             last = self._users == 0
         if last and self._owned:
             capi.llama_model_free(self.ptr)
+            rpc.release(self.ptr)
         if last:
             self.ptr = None
 
@@ -447,6 +458,7 @@ class Target(NativeResource):
         type_k: str = "f16",
         type_v: str = "f16",
         load_mtp: bool = False,
+        rpc_servers: Sequence[str] = (),
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both.
 
@@ -457,10 +469,11 @@ class Target(NativeResource):
         bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
         type_k / type_v: the KV cache's element types (KV_TYPES: f16, q8_0, q4_0, ...).
         load_mtp: load the model's MTP heads too, where it has them (`n_mtp_heads`; mtp.MTPSource drafts with them).
+        rpc_servers: rpc-servers ('host:port') lending devices for the offloaded layers (load_model).
         """
         check_kv_types(type_k, type_v, flash_attn)  # before the weights load
         init_backend(verbose)
-        model = load_model(path, n_gpu_layers=n_gpu_layers, load_mtp=load_mtp)
+        model = load_model(path, n_gpu_layers=n_gpu_layers, load_mtp=load_mtp, rpc_servers=rpc_servers)
         try:
             ctx = new_context(
                 model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn,

@@ -22,7 +22,8 @@ PROG = "dflash-chat"
 MIN_N_CTX = 64
 WORKERS = ("process", "thread")
 GENERATION = ("block_size", "temperature", "top_p", "top_k", "seed", "max_tokens")
-SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS)
+SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS,
+           "rpc_servers")
 # chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
 DEFAULT_WORKER = "process"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dflash_gguf.config import CacheOptions, GenerationConfig, SessionOptions
+from dflash_gguf.rpc import EXIT_RPC_LOST
 from dflash_gguf.steps import Step
 from dflash_gguf.tui.messages import ReplyFailed
 from dflash_gguf.tui.worker import Post, ReplyEnd, ReplyWorker, SessionInfo, run_reply
@@ -177,6 +178,8 @@ class ProcessWorker(ReplyWorker):
         code = self._process.exitcode
         if code is None:
             return "stopped answering"
+        if code == EXIT_RPC_LOST:  # its one line went to the null device with the rest of its stderr
+            return f"lost an RPC server (exit status {code})"
         if code < 0:
             try:
                 return f"was killed by {signal.Signals(-code).name}"

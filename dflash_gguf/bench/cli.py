@@ -19,7 +19,8 @@ from .peers import PEERS
 
 
 GENERATION = ("max_tokens", "block_size", "forced_drafts")  # greedy always: outputs are compared token for token
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate", *KV_CACHE_SETTINGS)
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "recalibrate", *KV_CACHE_SETTINGS,
+           "rpc_servers")
 
 
 def build_parser() -> argparse.ArgumentParser:
