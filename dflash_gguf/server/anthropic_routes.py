@@ -19,8 +19,8 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request
 
-from ..reply import ReplyReader, Thought
-from ..tool_calls import CallDelta
+from ..chat.reply import ReplyReader, Thought
+from ..chat.tool_calls import CallDelta
 from .engine import Engine, Finished, Run
 from .errors import APIError, error_body
 from .openai_routes import check_model
@@ -84,7 +84,7 @@ def router(engine: Engine) -> APIRouter:
         """The prompt's length in tokens as /v1/messages would render it (Claude Code asks before it sends)."""
         check_model(engine, body.model)
         with _anthropic_terms():
-            tokens = engine.prompt(messages_job(body))[0]
+            tokens = engine.prompt(messages_job(body))
         return {"input_tokens": len(tokens)}
 
     return r

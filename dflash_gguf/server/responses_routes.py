@@ -24,12 +24,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, List, Literal, Option
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..reply import ReplyReader, Thought
-from ..tool_calls import CallDelta, ToolCall
+from ..chat.reply import ReplyReader, Thought
+from ..chat.tool_calls import CallDelta, ToolCall
 from .engine import Engine, Finished, Prepared, Run
 from .errors import APIError
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, template_variables
+from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, refuse_unencodable, template_variables
 from .sse import heartbeat, stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
@@ -99,6 +99,7 @@ class ResponseStore:
 
 def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]]:
     """The chat Job for a request, and the conversation it continues (previous turns, then this input)."""
+    refuse_unencodable(req)
     if req.background:
         raise _refuse("background", "background responses are not supported: stream it or wait for it")
     if req.truncation == "auto":
@@ -326,7 +327,7 @@ def router(engine: Engine) -> APIRouter:
         check_model(engine, body.model)
         the_job, _ = job(body, store)
         with _responses_terms():
-            tokens = engine.prompt(the_job)[0]
+            tokens = engine.prompt(the_job)
         return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @r.get("/v1/responses/{response_id}")
@@ -366,7 +367,7 @@ def _thought_tokens(engine: Engine, prepared: Prepared, f: Finished) -> int:
     """How many of the reply's tokens its thought took (usage.output_tokens_details.reasoning_tokens)."""
     if prepared.thinking is None:
         return 0
-    token_bytes = engine.pool.slots[0].session.target.token_bytes
+    token_bytes = engine.token_bytes
     return prepared.thinking.tokens_in_thought([token_bytes(t).decode("utf-8", "replace") for t in f.tokens])
 
 

@@ -30,9 +30,11 @@ from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletion
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
+from ..chat import ChatRequest
+from ..chat.reasoning import check_chat_template_kwargs
+from ..chat.request import unencodable
 from ..checks import SettingError
 from ..config import GenerationConfig
-from ..reasoning import check_chat_template_kwargs
 from .errors import APIError
 
 Message = dict[str, Any]
@@ -196,6 +198,10 @@ class CountTokensRequest(MessagesRequest):
 
 
 # -- what the Session is asked ------------------------------------------------------------------
+# the key under which a constraint's settings name the request field that carried it (popped by Job)
+CONSTRAINT_FIELD = "constraint_field"
+
+
 @dataclass
 class Job:
     """One request, reduced to what a Session takes: chat messages or a raw prompt, and generation arguments."""
@@ -212,6 +218,24 @@ class Job:
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
     split_thought: bool = True  # a thinking model's thought is given apart from the answer
+    constraint_field: str | None = None  # the request's field that carried the grammar or schema
+
+    def __post_init__(self) -> None:
+        self.gen = dict(self.gen)
+        self.constraint_field = self.gen.pop(CONSTRAINT_FIELD, self.constraint_field)
+
+    def chat_request(self, settings: dict[str, Any]) -> ChatRequest:
+        """The chat floor's request for this job, generating with `settings`."""
+        return ChatRequest(self.messages or [], self.tools, self.tool_choice, self.parallel_tool_calls,
+                           self.chat_template_kwargs, split_thought=self.split_thought, settings=settings)
+
+
+def refuse_unencodable(body: BaseModel) -> None:
+    """A 400 naming the first text field of the request that is not valid Unicode (a lone surrogate such as
+    "\\ud800" is valid JSON, but no tokenizer can encode it)."""
+    where = unencodable(body.model_dump(exclude_unset=True), "")
+    if where is not None:
+        raise _refuse(where, "is not valid Unicode text (a lone surrogate such as \\ud800)", "invalid_value")
 
 
 def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
@@ -247,6 +271,7 @@ def _text_parts(content: Any, param: str) -> str:
 
 
 def chat_job(req: ChatCompletionRequest) -> Job:
+    refuse_unencodable(req)
     for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if getattr(req, legacy) is not None:
             raise _refuse(legacy, f"the legacy function-calling field is not supported: use {instead}")
@@ -289,6 +314,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
 
 
 def completion_job(req: CompletionRequest) -> Job:
+    refuse_unencodable(req)
     _check_choices(req)
     _check_neutral(req, {"mirostat_mode": 0, "min_tokens": 0, "echo": False, "suffix": None})
     prompt = req.prompt
@@ -308,6 +334,7 @@ def completion_job(req: CompletionRequest) -> Job:
 
 
 def messages_job(req: MessagesRequest) -> Job:
+    refuse_unencodable(req)
     tools = [_anthropic_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)] if req.tools else None
     tool_choice, parallel = _anthropic_tool_choice(req.tool_choice)
     output = req.output_config or {}
@@ -411,6 +438,8 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
                 raise _refuse(f"{where}.input", "a tool_use block needs its input object", "invalid_value")
             if not isinstance(data.get("id"), str) or not data["id"]:
                 raise _refuse(f"{where}.id", "a tool_use block needs its id", "invalid_value")
+            if not isinstance(data.get("name"), str) or not data["name"]:
+                raise _refuse(f"{where}.name", "a tool_use block needs the tool's name", "invalid_value")
             ids.add(data["id"])
             calls.append({"id": data["id"], "type": "function",
                           "function": {"name": data.get("name"), "arguments": data["input"]}})
@@ -523,7 +552,7 @@ def _constraint(kind: str, source: Any, param: str) -> dict[str, Any]:
         GenerationConfig(**{kind: source})
     except SettingError as e:
         raise _refuse(param, e.problem, "invalid_value") from None
-    return {kind: source}
+    return {kind: source, CONSTRAINT_FIELD: param}
 
 
 def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .checks import SettingError
-from .constraints import json_rule
+from ..checks import SettingError
+from ..constraints import json_rule
 from .tool_calls import hold_back
 
 # (start, end) markers of each family's thought, told apart by the end marker in the chat template

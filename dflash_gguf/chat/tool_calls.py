@@ -18,8 +18,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from .checks import SettingError
-from .constraints import compile_grammar, schema_text
+from ..checks import SettingError
+from ..constraints import check_schema_depth, compile_grammar, schema_text
 
 __all__ = [
     "FAMILIES", "CallDelta", "Family", "ToolCall", "ToolError", "ToolPlan", "ToolStream", "detect_family",
@@ -403,6 +403,7 @@ def _function(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise ToolError(f"{where}.function.parameters", "must be a JSON schema object")
     try:
+        check_schema_depth(params)
         compile_grammar("json_schema", _tool_schema(params))
     except (ValueError, TypeError) as e:
         raise ToolError(f"{where}.function.parameters", f"the schema does not compile: {e}") from None
