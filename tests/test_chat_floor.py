@@ -198,3 +198,60 @@ def test_the_terminal_chat_shows_a_thought_apart_from_the_answer(tool_targets):
             assert turn["content"] == ""  # SmolLM2 never closes the thought it was left in
 
         run_app(app, scenario)
+
+
+TOY_FAMILY = '''
+"""A toy call syntax: <<call>>{"name": ..., "arguments": {...}}<</call>>."""
+
+import re
+
+from dflash_gguf.chat.families.base import Family, args_after, lit, tool_json_rule
+
+
+class Toy(Family):
+    name = "toy"
+    opener = "<<call>>"
+    _head = re.compile(r'\\{"name": "([^"]*)", "arguments": ')
+
+    def detect(self, template):
+        return "<<call>>" in template
+
+    def call(self, tool, extra):
+        return f'{lit(chr(123) + chr(34) + "name" + chr(34) + ": " + chr(34) + tool["name"] + chr(34) + ", " + chr(34) + "arguments" + chr(34) + ": ")} {tool_json_rule(tool["parameters"])} {lit("}<</call>>")}'
+
+    def calls(self, text, at, schemas):
+        m = self._head.match(text, at + len(self.opener))
+        if m is None:
+            return []
+        args, done, _ = args_after(text, m.end())
+        return [(m.group(1), args, done)]
+'''
+
+
+def test_a_tool_call_family_is_one_file_and_one_registry_line(tmp_path, monkeypatch):
+    """The family's module alone (written here to a file of its own), plus its line in FAMILIES: the template
+    is recognised, the call's grammar compiles, and a reply's call is read back, whole and streamed."""
+    import importlib.util
+
+    from dflash_gguf.chat import families
+    from dflash_gguf.chat.tool_calls import ToolStream, detect_family, plan_tools
+
+    (tmp_path / "toy_family.py").write_text(TOY_FAMILY)
+    spec = importlib.util.spec_from_file_location("toy_family", tmp_path / "toy_family.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(families, "FAMILIES", (module.Toy(), *families.FAMILIES))  # the registry line
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<<call>>{% endif %}"
+    assert detect_family(template).name == "toy"
+    plan = plan_tools(template, [TOOL_SMALL], "required")
+    assert plan.family.name == "toy" and plan.forced and "<<call>>" in plan.grammar
+    reply = 'Sure.<<call>>{"name": "get_weather", "arguments": {"city": "Paris"}}<</call>>'
+    stream = ToolStream(plan)
+    pieces = [p for i in range(0, len(reply), 7) for p in stream.feed(reply[i:i + 7])] + stream.finish()
+    assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", {"city": "Paris"})]
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Sure."
+
+
+TOOL_SMALL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

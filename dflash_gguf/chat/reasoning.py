@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from ..checks import SettingError
 from ..constraints import json_rule
-from .tool_calls import hold_back
+from .families.base import hold_back
 
 # (start, end) markers of each family's thought, told apart by the end marker in the chat template
 MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("[THINK]", "[/THINK]"),
