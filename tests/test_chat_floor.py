@@ -255,3 +255,14 @@ def test_a_tool_call_family_is_one_file_and_one_registry_line(tmp_path, monkeypa
 
 TOOL_SMALL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """A package missing from pyproject's `packages` is missing from a non-editable install."""
+    import re
+
+    block = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    listed = set(re.findall(r'"([\w.]+)"', block))
+    assert {"dflash_gguf", "dflash_gguf.tui"} <= listed
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found <= listed, sorted(found - listed)
