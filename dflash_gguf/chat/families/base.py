@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ...constraints import schema_text
+from ..grammar import LarkGrammar
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function name; no escaping needed anywhere
 WS = r"/[ \t\n]*/"
@@ -99,7 +100,7 @@ class Family:
         to are appended to `extra`."""
         raise NotImplementedError
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
         """Lark for the reply: free text, or calls, the first opened by the opener (lazily unless forced)."""
         extra: list[str] = []
         rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
@@ -108,12 +109,12 @@ class Family:
         if forced:
             first = f"{WS} {opener} {call}"
             more = f"({WS} {opener} {call})*" if parallel else ""
-            start = f"start: {first} {more} TAIL"
+            start = f"{first} {more} TAIL"
         else:
             # a lazy lexeme: it ends where the opener first appears, and from there only a call is admitted
             rules.append(f"trig[lazy]: TEXT {opener}")
-            start = f"start: TEXT | trig {call} " + ("(trig " + call + ")* " if parallel else "") + "TAIL"
-        return "\n".join(["%llguidance {}", start, *rules, "TEXT: /(.|\\n)*/", "TAIL: /[ \\t\\n]{0,2}/", ""])
+            start = f"TEXT | trig {call} " + ("(trig " + call + ")* " if parallel else "") + "TAIL"
+        return LarkGrammar(start, [*rules, "TEXT: /(.|\\n)*/", "TAIL: /[ \\t\\n]{0,2}/"])
 
     def parse(self, text: str, schemas: Mapping[str, Any]) -> Parsed:
         """The reply so far as content and calls (`schemas`: each tool's parameters, by name); what could

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
+from ..grammar import LarkGrammar
 from .base import WS, Family, Parsed, args_after, lit, tool_json_rule
 
 
@@ -26,14 +27,14 @@ class Llama3(Family):
         head = f'{{"name": "{tool["name"]}", "parameters": '
         return f"{lit(head)} {tool_json_rule(tool['parameters'])} \"}}\""
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
         extra: list[str] = []
         rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
         call = "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
         # a call is the whole reply: it is one as soon as its first non-blank character is "{"
-        start = f"start: {WS} {call} TAIL" + ("" if forced else " | PLAIN")
-        return "\n".join(["%llguidance {}", start, *rules, "PLAIN: /[ \\t\\n]*([^{ \\t\\n](.|\\n)*)?/",
-                          "TAIL: /[ \\t\\n]{0,2}/", ""])
+        start = f"{WS} {call} TAIL" + ("" if forced else " | PLAIN")
+        return LarkGrammar(start, [*rules, "PLAIN: /[ \\t\\n]*([^{ \\t\\n](.|\\n)*)?/",
+                                   "TAIL: /[ \\t\\n]{0,2}/"])
 
     def parse(self, text: str, schemas: Mapping[str, Any]) -> Parsed:
         lead = text.lstrip()

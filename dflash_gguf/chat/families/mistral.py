@@ -7,6 +7,7 @@ import secrets
 import string
 from typing import Any, Mapping, Sequence
 
+from ..grammar import LarkGrammar
 from .base import WS, Family, args_after, lit, tool_json_rule
 
 
@@ -24,17 +25,17 @@ class Mistral(Family):
         head = f'{{"name": "{tool["name"]}", "arguments": '
         return f'{lit(head)} {tool_json_rule(tool["parameters"])} {lit(", " + chr(34) + "id" + chr(34) + ": " + chr(34))} /[a-zA-Z0-9]{{9}}/ {lit(chr(34) + "}")}'
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> str:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
         extra: list[str] = []
         rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
         call = "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
         array = f'"[" {call} ' + (f'(", " {call})* ' if parallel else "") + '"]"'
         if forced:
-            start = f"start: {WS} {lit(self.opener)} {array} TAIL"
+            start = f"{WS} {lit(self.opener)} {array} TAIL"
         else:
             rules.append(f"trig[lazy]: TEXT {lit(self.opener)}")
-            start = f"start: TEXT | trig {array} TAIL"
-        return "\n".join(["%llguidance {}", start, *rules, "TEXT: /(.|\\n)*/", "TAIL: /[ \\t\\n]{0,2}/", ""])
+            start = f"TEXT | trig {array} TAIL"
+        return LarkGrammar(start, [*rules, "TEXT: /(.|\\n)*/", "TAIL: /[ \\t\\n]{0,2}/"])
 
     def calls(self, text: str, at: int, schemas: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
         out, pos = [], at + len(self.opener)
