@@ -110,3 +110,17 @@ def strings(value: Any) -> tuple[str, ...]:
     if not all(items):
         raise ValueError(f"must be non-empty strings, got {value!r}")
     return tuple(items)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep dicts and lists nest in `value` (a scalar: 0), counted without recursion: a request may nest
+    deeper than Python's recursion allows."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else None
+        if items is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((item, depth + 1) for item in items)
+    return deepest

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import llguidance
 import numpy as np
 
+from .checks import nesting_depth
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import TokenSource
@@ -28,6 +29,8 @@ KINDS = ("grammar", "json_schema", "regex")
 # up to 20 (upstream llama.cpp's json-schema-to-grammar SPACE_RULE). llguidance's default admits any run of it,
 # in which a small sampled model can loop until max_tokens. A schema's own x-guidance options come first.
 JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
+# llguidance refuses a JSON schema nested deeper than this (and Python's json module recurses on its way there)
+MAX_SCHEMA_DEPTH = 128
 
 
 class ConstraintError(ValueError):
@@ -64,7 +67,14 @@ def schema_text(schema: Any) -> str:
             raise ValueError(f"not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise TypeError(f"must be a JSON schema object (a dict or its JSON text), got {type(schema).__name__}")
+    check_schema_depth(schema)
     return json.dumps(schema, separators=(",", ":"))
+
+
+def check_schema_depth(schema: Any) -> None:
+    """ValueError for a schema nested deeper than llguidance takes, before anything recurses into it."""
+    if nesting_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (the grammar engine's limit)")
 
 
 @lru_cache(maxsize=64)
@@ -108,6 +118,19 @@ class Constraint:
     def _check(self) -> None:
         if self._matcher.is_error():
             raise ConstraintError(f"constraint: {self._matcher.get_error().splitlines()[0]}")
+
+    def probe(self) -> None:
+        """ConstraintError where the grammar fails before its first token is chosen: a language with no finite
+        word (`root ::= "a" root`, a schema that is only a reference to itself), which llguidance finds only
+        once it computes a mask or what the grammar forces. A server calls it on a fresh matcher before it takes
+        a request, so such a grammar is refused up front, not during the generation. The matcher is spent."""
+        self.allowed()
+        self._check()
+        forced = self.forced()
+        self._check()
+        if forced:
+            self.commit(forced[:1])
+            self._check()
 
     def allowed(self) -> np.ndarray:
         """(n_vocab,) bool: the tokens the grammar admits next."""

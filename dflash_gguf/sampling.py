@@ -110,10 +110,12 @@ class SamplingParams:
         return bool(self.logit_bias) or self.penalizes
 
     def check_vocab(self, n_vocab: int) -> None:
-        """Raise SettingError naming logit_bias if it names a token outside a vocabulary of n_vocab."""
+        """Raise SettingError naming logit_bias if it names a token outside a vocabulary of n_vocab, or bans them all."""
         bad = [t for t, _ in self.logit_bias if t >= n_vocab]
         if bad:
             raise SettingError("logit_bias", f"token id {bad[0]} is outside the vocabulary of {n_vocab}")
+        if sum(1 for _, bias in self.logit_bias if bias == -math.inf) >= n_vocab:
+            raise SettingError("logit_bias", f"bans every token of the vocabulary of {n_vocab}: nothing could be generated")
 
     def window(self, history: Sequence[int], n_ctx: int) -> Sequence[int]:
         """The tokens the penalties count: the last repeat_last_n of the history (-1: up to n_ctx of them)."""

@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -14,31 +13,26 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import llama_cpp
-from llama_cpp import llama_chat_format
 
-from . import calibration_store, defaults
-from .chat_template import place_system_messages, renders_late_system
-from .checks import SettingError, SettingTypeError
-from .config import LLAMA_CHAT_DEFAULTS, LLAMA_COMPLETION_DEFAULTS, GenerationConfig, SessionOptions
+from . import calibration_store, defaults, llama_compat
+from .chat import ChatRequest, ChatTemplate, Turn, prepare_turn
+from .chat.tool_calls import ToolCall, ToolPlan
+from .config import GenerationConfig, SessionOptions
 from .constraints import Constraint, ForcedTokenSource
 from .backends import Placement, placement
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy
 from .decoding import CacheState, PrefixHook, TokensView, decode_steps
 from .drafter import Drafter
-from .logprobs import CompletionLogprobs
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .mtp import MTPSource, mtp_unusable_reason
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
-from .reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
-from .reply import ReplyReader, openai_delta
 from .sources import Commit, DraftSource, NativeDrafterSource
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens
 from .timing import calibrate, calibrate_verify, extend_verify_costs
-from .tool_calls import ToolCall, ToolError, ToolPlan, plan_tools, prepare_messages
 
 Message = Mapping[str, Any]
 log = logging.getLogger("dflash_gguf.session")
@@ -289,6 +283,10 @@ class Session:
         """Complete a raw prompt."""
         return self._collect(self.stream(prompt, config, **settings))
 
+    def generate_tokens(self, tokens: Sequence[int], config: GenerationConfig | None = None, **settings: Any) -> Result:
+        """generate() for a prompt already tokenized."""
+        return self._collect(self.stream_tokens(tokens, config, **settings))
+
     def chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
              tool_choice: Any = None, parallel_tool_calls: bool | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None, **settings: Any) -> Result:
@@ -301,57 +299,49 @@ class Session:
         A thinking template's thought comes back in Result.reasoning, the answer in Result.content;
         chat_template_kwargs are the template's variables ({"enable_thinking": False} turns thinking off).
         """
-        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        tokens, config, thinking = self._chat_prompt(messages, plan, GenerationConfig.build(config, **settings),
-                                                     chat_template_kwargs)
-        result = self._collect(self._steps(tokens, config))
-        if thinking is None and (plan is None or not plan.parses):
-            return result
-        thought, content, calls = ReplyReader(thinking, plan).read(result.text)
-        return replace(result, tool_calls=tuple(calls), content=content,
-                       reasoning=thought if thinking is not None else None,
-                       finish_reason="tool_calls" if calls else result.finish_reason)
+        request = ChatRequest(messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs, settings=settings)
+        return self.run_turn(self.prepare_chat(request, config))
 
     def stream_chat(self, messages: Sequence[Message], config: GenerationConfig | None = None, *, tools: Any = None,
                     tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None, **settings: Any) -> Iterator[Step]:
         """chat(), one Step per decode cycle (the raw reply, thought and calls in it); the template's stop
-        strings are added to the caller's."""
-        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        tokens, config, _ = self._chat_prompt(messages, plan, GenerationConfig.build(config, **settings),
-                                              chat_template_kwargs)
-        return self._steps(tokens, config)
+        strings are added to the caller's. prepare_chat() and stream_tokens() give the turn's reader too."""
+        request = ChatRequest(messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs, settings=settings)
+        turn = self.prepare_chat(request, config)
+        return self.stream_tokens(turn.tokens, turn.config)
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate:
+        """The GGUF's chat template, its family learned once."""
+        self._check_open()
+        t = self.target
+        return ChatTemplate(t.chat_template(), t.special_token_text(t.bos_token()), t.special_token_text(t.eos_token()),
+                            where=str(t.path))
+
+    def prepare_chat(self, request: ChatRequest, base: GenerationConfig | None = None) -> Turn:
+        """The chat floor's turn for `request` over `base` (or the defaults), its prompt checked to fit."""
+        self._check_open()
+        turn = prepare_turn(self.chat_template, self.target, request, base)
+        self._check_prompt_tokens(turn.tokens)
+        return turn
+
+    def run_turn(self, turn: Turn) -> Result:
+        """A prepared turn's whole reply, its thought and calls read apart where the turn has a reader."""
+        result = self.generate_tokens(turn.tokens, turn.config)
+        reader = turn.reader()
+        if reader is None:
+            return result
+        thought, content, calls = reader.read(result.text)
+        return replace(result, tool_calls=tuple(calls), content=content,
+                       reasoning=thought if turn.thinking is not None else None,
+                       finish_reason="tool_calls" if calls else result.finish_reason)
 
     def tool_plan(self, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None) -> ToolPlan | None:
         """The tools checked against this model's chat template: the family that writes and reads the calls,
         and the grammar the reply follows (None without tools)."""
         self._check_open()
-        return plan_tools(self.target.chat_template(), tools, tool_choice, parallel_tool_calls)
-
-    def chat_config(self, config: GenerationConfig, plan: ToolPlan | None, thinking: Thinking | None = None,
-                    ) -> GenerationConfig:
-        """The config a tool plan generates under: its grammar (tools and a caller's constraint exclude each
-        other), and its family's end-of-turn strings among the stops. Under a thinking template (`thinking`),
-        the tools' grammar or a JSON schema holds the reply after the thought, not instead of it; free text
-        with a lazy call grammar (tool_choice "auto") takes the thought as text where the prompt left none open."""
-        if plan is not None and plan.grammar is not None:
-            if config.constraint is not None:
-                kind = config.constraint.kind
-                raise ToolError("tools", f"give tools or a {kind} constraint, not both (the tools bring their own grammar)")
-            wrap = thinking is not None and (thinking.opened or plan.forced)
-            config = GenerationConfig.build(config, grammar=thinking.constrain_after(plan.grammar) if wrap else plan.grammar)
-        elif thinking is not None and config.json_schema is not None:
-            config = GenerationConfig.build(config, json_schema=None,
-                                            grammar=thinking.constrain_after(json_answer(config.json_schema)))
-        return config if plan is None else config.with_stops(plan.family.stops)
-
-    def _chat_prompt(self, messages: Sequence[Message], plan: ToolPlan | None, config: GenerationConfig,
-                     chat_template_kwargs: Mapping[str, Any] | None) -> tuple[list[int], GenerationConfig, Thinking | None]:
-        """A conversation's prompt tokens, the config its reply generates under, and how the reply thinks."""
-        prompt, stops = self.render_chat(messages, tools=None if plan is None else plan.tools,
-                                         chat_template_kwargs=chat_template_kwargs)
-        thinking = thinking_for(self.target.chat_template(), prompt)
-        return self.tokenize(prompt, add_special=False), self.chat_config(config, plan, thinking).with_stops(stops), thinking
+        return self.chat_template.plan_tools(tools, tool_choice, parallel_tool_calls)
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
@@ -706,36 +696,16 @@ class Session:
 
     def render_chat(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[str]]:
-        """The prompt text from the GGUF's chat template, and the template's stop strings. `tools` (checked
-        ones, from tool_plan) are passed to the template as transformers and llama-cpp-python pass them;
-        assistant tool calls and tool results in `messages` render through it too. `chat_template_kwargs` are the
-        template's own variables (`enable_thinking`, ...), checked with check_chat_template_kwargs."""
-        if not messages or any(not isinstance(m, Mapping) or "role" not in m for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        messages = prepare_messages(messages)
+        """The prompt text from the GGUF's chat template, and the template's stop strings (ChatTemplate.render)."""
         self._check_open()
-        template = self.target.chat_template()
-        if template is None:
-            raise ValueError(f"{self.target.path}: the GGUF has no chat template; use generate() with a raw prompt")
-        eos = self.target.special_token_text(self.target.eos_token())
-        bos = self.target.special_token_text(self.target.bos_token())
-        messages = place_system_messages(messages, renders_late_system(template, bos, eos))
-        formatter = llama_chat_format.Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        response = formatter(messages=messages, tools=list(tools) if tools else None,
-                             **check_chat_template_kwargs(chat_template_kwargs))
-        stops = [response.stop] if isinstance(response.stop, str) else list(response.stop or [])
-        return response.prompt, [s for s in stops if s]
+        return self.chat_template.render(messages, tools, chat_template_kwargs)
 
-    # -- llama_cpp.Llama-shaped methods ----------------------------------------------------
-    def create_completion(
-        self, prompt: str, *, stream: bool = False, **settings: Any
-    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    # -- llama_cpp.Llama-shaped methods (their shapes: llama_compat) ------------------------
+    def create_completion(self, prompt: str, *, stream: bool = False,
+                          **settings: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """llama_cpp.Llama.create_completion's dict (or chunk stream) for a raw prompt, with its defaults;
         logprobs=n reports each token's log-probability and its n likeliest alternatives, as llama_cpp does."""
-        tokens = self.tokenize(prompt, add_special=True)
-        config = GenerationConfig.build(LLAMA_COMPLETION_DEFAULTS, **_llama_max_tokens(settings))
-        offset = len(prompt)  # llama_cpp's text offsets count from the end of the prompt
-        return self._completion_chunks(tokens, config, offset) if stream else self._completion(tokens, config, offset)
+        return llama_compat.create_completion(self, prompt, stream=stream, **settings)
 
     def create_chat_completion(
         self, messages: Sequence[Message], *, stream: bool = False, tools: Any = None, tool_choice: Any = None,
@@ -747,79 +717,9 @@ class Session:
         With tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason
         "tool_calls", and a thinking template's thought in message.reasoning_content; without tools the reply
         is llama_cpp's, thought included in the content."""
-        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
-        settings = _chat_logprobs(_llama_max_tokens(settings))
-        tokens, config, thinking = self._chat_prompt(messages, plan, GenerationConfig.build(LLAMA_CHAT_DEFAULTS, **settings),
-                                                     chat_template_kwargs)
-        if plan is not None and plan.parses:
-            reader = ReplyReader(thinking, plan)
-            return self._tool_chunks(tokens, config, reader) if stream else self._tool_completion(tokens, config, reader)
-        completion = self._completion_chunks(tokens, config) if stream else self._completion(tokens, config)
-        return llama_chat_format._convert_completion_to_chat(completion, stream=stream)
-
-    def _chat_header(self) -> dict[str, Any]:
-        return {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": str(self.target.path)}
-
-    def _tool_completion(self, tokens: list[int], config: GenerationConfig, reader: ReplyReader) -> dict[str, Any]:
-        result = self._collect(self._steps(tokens, config))
-        thought, content, calls = reader.read(result.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if thought:
-            message["reasoning_content"] = thought
-        if calls:
-            message["tool_calls"] = [c.openai() for c in calls]
-        n = len(result.tokens)
-        return {
-            **self._chat_header(), "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": "tool_calls" if calls else result.finish_reason}],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
-        }
-
-    def _tool_chunks(self, tokens: list[int], config: GenerationConfig, reader: ReplyReader) -> Iterator[dict[str, Any]]:
-        head = {**self._chat_header(), "object": "chat.completion.chunk"}
-
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-        yield chunk({"role": "assistant"})
-        for step in self._steps(tokens, config):
-            pieces = list(reader.feed(step.text))
-            if step.finish_reason is not None:
-                pieces += reader.finish()
-            for piece in pieces:
-                yield chunk(openai_delta(piece))
-            if step.finish_reason is not None:
-                yield chunk({}, "tool_calls" if reader.calls else step.finish_reason)
-
-    def _completion_header(self) -> dict[str, Any]:
-        return {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()), "model": str(self.target.path)}
-
-    def _completion(self, tokens: list[int], config: GenerationConfig, text_offset: int = 0) -> dict[str, Any]:
-        """A whole completion in llama_cpp's text_completion shape, with usage (and logprobs when asked)."""
-        header = self._completion_header()
-        result = self._collect(self._steps(tokens, config))
-        n = len(result.tokens)
-        logprobs = None
-        if config.logprobs is not None:
-            logprobs = CompletionLogprobs(self.target.token_bytes, text_offset)(result.logprobs)
-        return {
-            **header,
-            "choices": [{"text": result.text, "index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason}],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n},
-        }
-
-    def _completion_chunks(self, tokens: list[int], config: GenerationConfig, text_offset: int = 0) -> Iterator[dict[str, Any]]:
-        """llama_cpp's streamed text_completion chunks: one per cycle with text (and that cycle's logprobs
-        when asked), then one with finish_reason."""
-        header = self._completion_header()
-        shape = CompletionLogprobs(self.target.token_bytes, text_offset) if config.logprobs is not None else None
-        for step in self._steps(tokens, config):
-            if step.text or (shape is not None and step.logprobs):
-                logprobs = shape(step.logprobs) if shape is not None else None
-                yield {**header, "choices": [{"text": step.text, "index": 0, "logprobs": logprobs, "finish_reason": None}]}
-            if step.finish_reason is not None:
-                yield {**header, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": step.finish_reason}]}
+        return llama_compat.create_chat_completion(
+            self, messages, stream=stream, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs, **settings)
 
     # -- lifetime --------------------------------------------------------------------------
     @property
@@ -854,31 +754,9 @@ class Session:
         self.close()
 
 
-def _llama_max_tokens(settings: dict[str, Any]) -> dict[str, Any]:
-    """llama_cpp's convention: max_tokens None or <= 0 means up to the end of the context (our None)."""
-    n = settings.get("max_tokens")
-    if isinstance(n, int) and not isinstance(n, bool) and n <= 0:
-        return {**settings, "max_tokens": None}
-    return settings
-
-
 def _check_prompt_cache(cache: Any) -> None:
     if cache is not None and not isinstance(cache, PromptCache):
         raise TypeError(f"prompt_cache must be a PromptCache or None, got {type(cache).__name__}")
-
-
-def _chat_logprobs(settings: dict[str, Any]) -> dict[str, Any]:
-    """llama_cpp's chat spelling (logprobs: bool, top_logprobs: n) as the config's logprobs (n, or None: off)."""
-    if "logprobs" not in settings and "top_logprobs" not in settings:
-        return settings
-    settings = dict(settings)
-    wanted, top = settings.pop("logprobs", None), settings.pop("top_logprobs", None)
-    if wanted not in (None, True, False):
-        raise SettingTypeError("logprobs", f"must be True or False for a chat completion, got {wanted!r}")
-    if top is not None and not wanted:
-        raise SettingError("top_logprobs", "needs logprobs=True")
-    settings["logprobs"] = (0 if top is None else top) if wanted else None
-    return settings
 
 
 def _check_sources(sources: Any) -> list[DraftSource]:

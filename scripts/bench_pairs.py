@@ -52,6 +52,7 @@ def main() -> None:
         return
 
     from dflash_gguf import Session
+    from dflash_gguf.chat import ChatRequest
     from dflash_gguf.bench.suite import load_suite
 
     texts = {p.id: p.prompt for p in load_suite()}
@@ -64,7 +65,7 @@ def main() -> None:
             if p["id"] not in texts:
                 print(f"{p['id']}: not in the built-in suite; its prompt text is not in the JSON, skipped")
                 continue
-            prompt = session.tokenize(session.render_chat([{"role": "user", "content": texts[p["id"]]}])[0])
+            prompt = session.prepare_chat(ChatRequest([{"role": "user", "content": texts[p["id"]]}])).tokens
             session.reset()
             session.target.decode(prompt + plain[:i], 0, logits="last")
             row = session.target.output_logits()[-1]

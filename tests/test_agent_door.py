@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from dflash_gguf import Session, defaults
-from dflash_gguf.chat_template import place_system_messages, renders_late_system
+from dflash_gguf.chat.template import place_system_messages, renders_late_system
 from dflash_gguf.server import ServerConfig
 from dflash_gguf.server.sse import heartbeat
 from test_server import serve

@@ -168,7 +168,7 @@ def test_a_json_reply_cannot_run_on_in_blank_space(pair, source):
     json-schema-to-grammar rule), never an endless run a sampled small model can loop in. The same bound holds
     for a schema that follows a thought (reasoning.json_answer)."""
     from dflash_gguf.constraints import ConstraintSpec, compile_grammar, schema_text
-    from dflash_gguf.reasoning import Thinking, json_answer
+    from dflash_gguf.chat.reasoning import Thinking, json_answer
 
     if source == "json_schema":
         spec = GenerationConfig(json_schema=PERSON).constraint
@@ -189,7 +189,7 @@ def test_a_schemas_own_whitespace_options_win(pair, source):
     """A schema that asks for compact JSON (x-guidance whitespace_flexible false) gets it on both paths; one
     whose x-guidance is not an object compiles as llguidance reads it, never a crash."""
     from dflash_gguf.constraints import ConstraintSpec, compile_grammar, schema_text
-    from dflash_gguf.reasoning import Thinking, json_answer
+    from dflash_gguf.chat.reasoning import Thinking, json_answer
 
     def constraint(schema):
         if source == "json_schema":

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from dflash_gguf.checks import SettingError
 from dflash_gguf.constraints import Constraint, ConstraintSpec, compile_grammar, schema_text
-from dflash_gguf.reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
-from dflash_gguf.reply import ReplyReader, Thought
-from dflash_gguf.tool_calls import CallDelta, plan_tools
+from dflash_gguf.chat.reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
+from dflash_gguf.chat.reply import ReplyReader, Thought
+from dflash_gguf.chat.tool_calls import CallDelta, plan_tools
+from dflash_gguf.chat.turn import turn_config
 from tool_fixtures import TEMPLATES
 from upstream import LLAMA_CPP_SRC
 
@@ -173,7 +174,7 @@ def test_a_json_schema_is_held_after_the_thought_with_or_without_tools(thinker, 
     from dflash_gguf.config import GenerationConfig
 
     config = GenerationConfig.build(None, json_schema={"type": "object"})
-    got = thinker.chat_config(config, thinker.tool_plan(tools, choice), thinking)
+    got = turn_config(config, thinker.tool_plan(tools, choice), thinking)
     assert got.json_schema is None and "thought[lazy]" in got.grammar and "%json" in got.grammar
 
 

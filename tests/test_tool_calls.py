@@ -14,7 +14,7 @@ import pytest
 
 from dflash_gguf import Session, defaults
 from dflash_gguf.constraints import Constraint, ConstraintSpec, compile_grammar
-from dflash_gguf.tool_calls import FAMILIES, ToolError, detect_family, plan_tools, prepare_messages
+from dflash_gguf.chat.tool_calls import FAMILIES, ToolError, detect_family, plan_tools, prepare_messages
 from tool_fixtures import FAMILIES as FIXTURE_FAMILIES
 from upstream import LLAMA_CPP_SRC
 

@@ -27,8 +27,8 @@ from textual.widgets import Footer, Header, Input
 from dflash_gguf.session import Session
 from dflash_gguf.stats import Baseline, BaselineSource, GenerationStats
 from dflash_gguf.steps import Step, StepKind
-from dflash_gguf.reply import ReplyReader
-from dflash_gguf.tool_calls import ToolCall, ToolPlan, plan_tools
+from dflash_gguf.chat.reply import ReplyReader
+from dflash_gguf.chat.tool_calls import ToolCall, ToolPlan, plan_tools
 from dflash_gguf.tui.commands import ChatCommands
 from dflash_gguf.tui.messages import ReplyFailed, ReplyFinished
 from dflash_gguf.tui.options import ChatOptions
@@ -270,14 +270,21 @@ class ChatApp(App[None]):
             if message.stats is not None:
                 self.last_generation = message.stats
                 status += f" · prompt {message.stats.n_prompt_tokens} tokens, {message.stats.n_cached_tokens} cached"
-        content, calls = (text, []) if self.tool_plan is None or message.cancelled else \
-            ReplyReader(None, self.tool_plan).read(text)[1:]
-        reply.widget.finish(text if not calls else content or "", status)
+        # the chat floor's reader: a thinking model's thought apart from the answer, and the calls (not of a
+        # cancelled reply, whose last call may be cut short)
+        tools = None if message.cancelled else self.tool_plan
+        thought, content, calls = "", text, []
+        if message.thinking is not None or tools is not None:
+            thought, content, calls = ReplyReader(message.thinking, tools).read(text)
+        answer = content or "" if calls or message.thinking is not None else text
+        reply.widget.finish(answer, status, thought=thought)
         reply.widget.show_calls(calls)
         if reply.speculative:
             self.last_stats = reply.stats
             # a cancelled reply is kept, partial as it is, so the next turn continues from it
-            turn: dict[str, Any] = {"role": "assistant", "content": text if not calls else content or ""}
+            turn: dict[str, Any] = {"role": "assistant", "content": answer}
+            if thought:
+                turn["reasoning_content"] = thought
             if calls:
                 turn["tool_calls"] = [c.openai() for c in calls]
             self.history.append(turn)

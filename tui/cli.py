@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.block_size is not None and info.drafter_block_size is not None and args.block_size > info.drafter_block_size:
             return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {info.drafter_block_size}")
         if options.tools:
-            from dflash_gguf.tool_calls import ToolError, plan_tools
+            from dflash_gguf.chat.tool_calls import ToolError, plan_tools
 
             try:  # against the model's template: a template without tool support is one line here
                 plan_tools(info.chat_template, list(options.tools), options.tool_choice)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-if TYPE_CHECKING:
-    from dflash_gguf.tui.app import ChatApp
+
+class HasCommands(Protocol):
+    """The app the palette serves (the ChatApp): its commands as (name, help, callback)."""
+
+    def chat_commands(self) -> list[tuple[str, str, Callable[[], Any]]]: ...
 
 
 class ChatCommands(Provider):
@@ -15,7 +18,7 @@ class ChatCommands(Provider):
 
     @property
     def _commands(self) -> list:
-        app: ChatApp = self.app  # type: ignore[assignment]
+        app: HasCommands = self.app  # type: ignore[assignment]
         return app.chat_commands()
 
     async def discover(self) -> Hits:

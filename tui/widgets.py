@@ -20,7 +20,7 @@ from dflash_gguf.kinds import all_kinds
 from dflash_gguf.prompt_cache import CacheEvent
 from dflash_gguf.stats import Baseline, Calibration, SourceStats
 from dflash_gguf.stats import speedup as speedup_of
-from dflash_gguf.tool_calls import ToolCall
+from dflash_gguf.chat.tool_calls import ToolCall
 from dflash_gguf.tui.provenance import Piece, Provenance
 from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.worker import SessionInfo
@@ -189,13 +189,15 @@ class AssistantMessage(Vertical):
     def append(self, pieces: Iterable[Piece]) -> None:
         self.tokens.append(pieces)
 
-    def finish(self, text: str, status: str) -> None:
-        """Render the reply as Markdown and fold the token view away."""
+    def finish(self, text: str, status: str, *, thought: str = "") -> None:
+        """Render the reply as Markdown (a thinking model's thought apart, above it) and fold the token view away."""
         self.finished = True
         self.remove_class("-streaming")
         self.add_class("-finished")
         collapsible = self.query_one(Collapsible)
         collapsible.collapsed = True
+        if thought:
+            self.mount(Static(f"💭 {thought}", markup=False, classes="thought"), before=collapsible)
         self.mount(Markdown(text or "*(no tokens)*"), before=collapsible)
         self.set_status(status)
 

@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from textual.message import Message
 
+from dflash_gguf.chat import ChatRequest
+from dflash_gguf.chat.reasoning import Thinking
 from dflash_gguf.config import GenerationConfig
 from dflash_gguf.session import Session
 from dflash_gguf.stats import GenerationStats
@@ -68,11 +70,12 @@ class ReplyEnd:
     cancelled: bool = False
     stats: GenerationStats | None = None  # the Session's stats of a reply that ran to its end
     error: str | None = None
+    thinking: Thinking | None = None  # how the reply thought under the template (None: no thought to split)
 
     def message(self) -> Message:
         if self.error is not None:
             return ReplyFailed(self.ticket, self.error)
-        return ReplyFinished(self.ticket, self.finish_reason, self.cancelled, self.stats)
+        return ReplyFinished(self.ticket, self.finish_reason, self.cancelled, self.stats, self.thinking)
 
 
 def run_reply(
@@ -84,25 +87,27 @@ def run_reply(
     emit: Callable[[Step], object],
     tools: Mapping[str, Any] | None = None,
 ) -> ReplyEnd:
-    """Stream one assistant reply to `messages` through the chat template, emitting every Step as it is
-    committed; the cached prefix of the last turn is reused. `tools`: stream_chat's tools and tool_choice.
+    """Stream one assistant reply to `messages` through the chat template (the chat floor's turn), emitting
+    every Step as it is committed; the cached prefix of the last turn is reused. `tools`: the turn's tools and
+    tool_choice. The end says how the reply thinks, so the app reads its thought apart from its answer.
     Never raises: a failure is the ReplyEnd's error."""
     if cancelled():
         return ReplyEnd(ticket, cancelled=True)
     finish_reason: str | None = None
     try:
-        steps = session.stream_chat(list(messages), config, **(tools or {}))
+        turn = session.prepare_chat(ChatRequest(list(messages), **(tools or {})), config)
+        steps = session.stream_tokens(turn.tokens, turn.config)
         try:
             for step in steps:
                 emit(step)
                 finish_reason = step.finish_reason
                 if finish_reason is None and cancelled():
-                    return ReplyEnd(ticket, cancelled=True)
+                    return ReplyEnd(ticket, cancelled=True, thinking=turn.thinking)
         finally:
             steps.close()
     except Exception as error:  # any failure of the run is shown in the UI, which keeps running
         return ReplyEnd(ticket, error=one_line(error))
-    return ReplyEnd(ticket, finish_reason, stats=session.last_stats)
+    return ReplyEnd(ticket, finish_reason, stats=session.last_stats, thinking=turn.thinking)
 
 
 class ReplyWorker(ABC):

@@ -71,14 +71,14 @@ def replay(prompt: list[int], output: list[int], costs: dict[int, float], *, max
 
 def greedy_outputs(prompts, max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
     """(id, prompt tokens, greedy plain output) on the embedded target, chat template, one thread."""
+    from dflash_gguf.chat import ChatRequest
     from dflash_gguf.session import Session
 
     out = []
     with warnings.catch_warnings(), Session(n_ctx=2048, n_threads=1) as s:
         warnings.simplefilter("ignore")
         for p in prompts:
-            text, _ = s.render_chat([{"role": "user", "content": p.prompt}])
-            tokens = s.tokenize(text, add_special=False)
+            tokens = s.prepare_chat(ChatRequest([{"role": "user", "content": p.prompt}])).tokens
             s.reset()
             r = s.chat([{"role": "user", "content": p.prompt}], max_tokens=max_tokens, speculative=False)
             out.append((p.id, tokens, r.tokens))

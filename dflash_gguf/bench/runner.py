@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from dflash_gguf.train.prompts import Prompt
 
+from dflash_gguf.chat import ChatRequest
 from dflash_gguf.config import GenerationConfig, SessionOptions
 from dflash_gguf.lockstep import lockstep, order
 from dflash_gguf.target import default_threads
@@ -78,9 +79,9 @@ def chat_steps(session, messages: list[dict], config: GenerationConfig):
 
 
 def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:
-    """The rendered chat prompt and its tokens, for the peers (same template, same tokens)."""
-    prompt, _ = session.render_chat(messages)
-    return prompt, session.tokenize(prompt, add_special=False)
+    """The rendered chat prompt and its tokens, for the peers (same template, same tokens): the chat floor's turn."""
+    turn = session.prepare_chat(ChatRequest(messages))
+    return turn.prompt, turn.tokens
 
 
 def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[str], repeat: int,

@@ -12,19 +12,18 @@ the SDK keeps unknown fields aside.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from ..reply import ReplyReader, Thought
-from ..tool_calls import CallDelta
+from ..chat.reply import ReplyReader, Thought
+from ..chat.tool_calls import CallDelta
 from .engine import Engine, Finished, Run
-from .errors import APIError, error_body
+from .errors import ANTHROPIC_TERMS, APIError, cancelled, error_body
 from .openai_routes import check_model
-from .schemas import CountTokensRequest, MessagesRequest, anthropic_param, messages_job
+from .schemas import CountTokensRequest, MessagesRequest, messages_job
 from .sse import heartbeat, stream_response
 
 
@@ -53,7 +52,7 @@ def router(engine: Engine) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         job = messages_job(body)
-        with _anthropic_terms():
+        with ANTHROPIC_TERMS.speaking(job.origins):
             prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}
@@ -77,29 +76,18 @@ def router(engine: Engine) -> APIRouter:
                     "usage": _usage(event),
                     "timings": event.timings, "dflash": event.dflash,
                 }
-        raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+        raise cancelled()
 
     @r.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         """The prompt's length in tokens as /v1/messages would render it (Claude Code asks before it sends)."""
         check_model(engine, body.model)
-        with _anthropic_terms():
-            tokens = engine.prompt(messages_job(body))[0]
+        job = messages_job(body)
+        with ANTHROPIC_TERMS.speaking(job.origins):
+            tokens = engine.prompt(job)
         return {"input_tokens": len(tokens)}
 
     return r
-
-
-@contextlib.contextmanager
-def _anthropic_terms() -> Iterator[None]:
-    """An APIError about a tool field, named in the Anthropic request's terms (tools.0.input_schema)."""
-    try:
-        yield
-    except APIError as e:
-        if e.param is not None and e.param.startswith(("tools", "tool_choice")):
-            e.param = anthropic_param(e.param)
-            e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
-        raise
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:
@@ -125,7 +113,7 @@ async def _events(run: Run, message: dict[str, Any], n_prompt: int) -> AsyncIter
                 return
             if event.text:
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
-        raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+        raise cancelled()
     except APIError as e:
         body = error_body(e.status, e.message, e.param, e.code, anthropic=True)
         yield {"event": "error", "data": json.dumps(body)}
@@ -184,7 +172,7 @@ async def _block_events(run: Run, message: dict[str, Any], n_prompt: int, reader
                 return
             for e in blocks(reader.feed(event.text)):
                 yield e
-        raise APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+        raise cancelled()
     except APIError as e:
         body = error_body(e.status, e.message, e.param, e.code, anthropic=True)
         yield {"event": "error", "data": json.dumps(body)}

@@ -69,7 +69,7 @@ def create_app(sessions: Sequence[Session], config: ServerConfig | None = None) 
     app.include_router(responses_routes.router(engine))
 
     # where the slots' layers are, read while the Sessions are open (every slot opens with the same options)
-    where = engine.pool.slots[0].session.placement
+    where = engine.placement
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> JSONResponse:

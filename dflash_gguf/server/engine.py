@@ -16,13 +16,15 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import jinja2
 from starlette.requests import Request
 
+from ..chat import ChatTemplate, Turn, prepare_turn
+from ..chat.reasoning import Thinking
+from ..chat.reply import ReplyReader
+from ..chat.tool_calls import ToolError
 from ..config import GenerationConfig, SettingError
-from ..reasoning import Thinking, thinking_for
-from ..reply import ReplyReader
+from ..constraints import Constraint, ConstraintError
 from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step, TokenLogprob
-from ..tool_calls import ToolError, ToolPlan, detect_family
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import Metrics
@@ -41,16 +43,16 @@ class Prepared:
     config: GenerationConfig
     start: Callable[[Session], Iterator[Step]]
     t0: float
-    tools: ToolPlan | None = None  # the request's tools: the routes read the calls out of the reply with it
-    thinking: Thinking | None = None  # how the reply reasons, for a thinking template
+    turn: Turn | None = None  # a chat request's prepared turn (None for a raw prompt)
+
+    @property
+    def thinking(self) -> Thinking | None:
+        return None if self.turn is None else self.turn.thinking
 
     def reader(self) -> ReplyReader | None:
-        """The reader of this reply's thought and calls; None when the reply is all answer text (the thought
+        """A reader of this reply's thought and calls; None when the reply is all answer text (the thought
         stays in it where the request asked for reasoning_format "none")."""
-        thinking = self.thinking if self.job.split_thought else None
-        if thinking is None and (self.tools is None or not self.tools.parses):
-            return None
-        return ReplyReader(thinking, self.tools)
+        return None if self.turn is None else self.turn.reader()
 
 
 @dataclass
@@ -70,70 +72,86 @@ class Finished:
 
 
 class Engine:
+    """The slots and what every route needs of the model: its vocabulary, chat template and context size, so
+    that no route reaches into a slot's Session."""
+
     def __init__(self, sessions: list[Session], config: ServerConfig, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
         metrics.prompt_cache = sessions[0].prompt_cache  # shared by every slot (None: no prompt cache)
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
-        self.tool_family = detect_family(sessions[0].target.chat_template())  # None: tools get a 400
+        first = sessions[0]
+        self.vocab = first.target  # read-only on the loop: tokenizing, token bytes, llguidance's tokenizer
+        self.token_bytes: Callable[..., bytes] = first.target.token_bytes
+        self.template: ChatTemplate = first.chat_template
+        self.placement = first.placement
+        self.n_ctx: int = first.target.n_ctx_seq
+        self.n_ctx_train: int = first.target.n_ctx_train
 
     @property
-    def n_ctx(self) -> int:
-        return self.pool.slots[0].session.target.n_ctx_seq
-
-    @property
-    def n_ctx_train(self) -> int:
-        return self.pool.slots[0].session.target.n_ctx_train
+    def tool_family(self) -> Any:
+        return self.template.family  # None: tools get a 400
 
     def prepare(self, job: Job) -> Prepared:
         """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments."""
         t0 = time.perf_counter()
-        session = self.pool.slots[0].session
-        target = session.target
-        tokens, template_stops, plan, thinking = self.prompt(job)
+        settings = {"max_tokens": self.config.max_tokens, **job.gen, "stop": job.user_stops}
+        turn = self._turn(job, settings) if job.messages is not None else None
+        tokens = self._raw_tokens(job) if turn is None else turn.tokens
+        if not tokens:
+            raise APIError(400, "the prompt is empty: nothing to condition on", param="prompt", code="invalid_value")
         if len(tokens) >= self.n_ctx:
             raise APIError(400, f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} and needs room "
                            "for at least one more", param="messages" if job.messages is not None else "prompt",
                            code="context_length_exceeded")
         room = self.n_ctx - len(tokens)  # what the context has left for the reply
-        gen = {"max_tokens": self.config.max_tokens, **job.gen}
-        gen["max_tokens"] = room if gen["max_tokens"] is None else min(gen["max_tokens"], room)
-        try:  # checked here, before a slot is taken; the request's own field names are the config's
-            config = GenerationConfig.build(self.config.generation, **gen, stop=job.user_stops)
-            config.sampling.check_vocab(target.n_vocab)
+        try:
+            config = turn.config if turn is not None else self._config(settings)
+            wanted = config.max_tokens
+            config = GenerationConfig.build(config, max_tokens=room if wanted is None else min(wanted, room))
         except SettingError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_value") from None
-        try:
-            config = session.chat_config(config, plan, thinking).with_stops(template_stops)
-        except ToolError as e:
-            raise _tool_error(e, False) from None
-        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, plan, thinking)
+        self._probe_constraint(config, job)
+        return Prepared(job, tokens, config, lambda s: s.stream_tokens(tokens, config), t0, turn)
 
-    def prompt(self, job: Job) -> tuple[list[int], list[str], ToolPlan | None, Thinking | None]:
-        """The job's prompt tokens (its messages rendered with the tools and template variables it declares),
-        the template's stop strings, the checked tools and how the reply reasons (None: no thought to split)."""
-        session = self.pool.slots[0].session
-        target = session.target
-        template_stops: list[str] = []
-        plan = thinking = None
-        if job.messages is not None:
-            try:
-                plan = session.tool_plan(job.tools, job.tool_choice, job.parallel_tool_calls)
-                text, template_stops = session.render_chat(job.messages, tools=None if plan is None else plan.tools,
-                                                           chat_template_kwargs=job.chat_template_kwargs)
-            except ToolError as e:
-                raise _tool_error(e, self.tool_family is None and e.field == "tools") from None
-            except (jinja2.TemplateError, ValueError, TypeError) as e:
-                raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
-                               code="invalid_messages") from None
-            tokens = target.tokenize(text, add_special=False, parse_special=True)
-            thinking = thinking_for(target.chat_template(), text)
-        else:
-            tokens = target.tokenize(job.prompt, add_special=True, parse_special=True)
-        if not tokens:
-            raise APIError(400, "the prompt is empty: nothing to condition on", param="prompt", code="invalid_value")
-        return tokens, template_stops, plan, thinking
+    def prompt(self, job: Job) -> list[int]:
+        """The job's prompt tokens (count_tokens / input_tokens): its messages rendered as prepare() renders them."""
+        return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
+
+    def _turn(self, job: Job, settings: dict[str, Any]) -> Turn:
+        request = job.chat_request(settings)
+        try:
+            return prepare_turn(self.template, self.vocab, request, self.config.generation)
+        except ToolError as e:
+            raise _tool_error(e, self.tool_family is None and e.field == "tools") from None
+        except SettingError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_value") from None
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages",
+                           code="invalid_messages") from None
+
+    def _raw_tokens(self, job: Job) -> list[int]:
+        return self.vocab.tokenize(job.prompt, add_special=True, parse_special=True)
+
+    def _config(self, settings: dict[str, Any]) -> GenerationConfig:
+        config = GenerationConfig.build(self.config.generation, **settings)
+        config.sampling.check_vocab(self.vocab.n_vocab)
+        return config
+
+    def _probe_constraint(self, config: GenerationConfig, job: Job) -> None:
+        """A grammar or schema that fails at its first token (no finite reply: unbounded recursion) refused
+        now, naming the request's field, rather than during the generation in the grammar engine's words."""
+        spec = config.constraint
+        if spec is None:
+            return
+        try:
+            Constraint(self.vocab.constraint_tokenizer(), spec, self.vocab.n_vocab).probe()
+        except ConstraintError as e:
+            param = job.constraint_field or "tools"
+            why = str(e).split(": ", 1)[-1].splitlines()[0]
+            raise APIError(400, f"{param}: the grammar admits no reply that can be generated (it recurses without "
+                           f"end, or refuses every first token): {why}", param=param, code="invalid_value") from None
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
         """Wait for a slot (429 when the queue is full), then start the generation in its thread."""
@@ -268,8 +286,7 @@ class Run:
         stops = self.prepared.job.user_stops
         if finish != "stop" or not stops:
             return None
-        target = self.slot.session.target
-        full = b"".join(target.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+        full = b"".join(self.engine.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
         found = [(full.find(s), s) for s in stops if s in full]
         return min(found)[1] if found else None
 

@@ -6,8 +6,11 @@ both SDKs read them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +40,71 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+
+def cancelled() -> APIError:
+    """The one refusal of a generation the server stopped before its end (it is shutting down)."""
+    return APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """How one protocol names the chat request's fields: its rename table, chat-request path -> its own path.
+
+    `rules` are (pattern, replacement) regular expressions on a dotted path, the first that matches applied.
+    A request whose messages do not map one for one onto the chat's (Anthropic's tool_result blocks become
+    tool messages, Responses items become turns) gives `origins` with its Job: the chat path of a message
+    or of one of its calls (`messages.3`, `messages.3.tool_calls.1`) -> the request's own (`input.5`); the
+    rest of the path is then named by `rules` too."""
+
+    rules: tuple[tuple[str, str], ...] = ()
+
+    def name(self, param: str, origins: Mapping[str, str] | None = None) -> str:
+        for prefix in sorted(origins or {}, key=len, reverse=True):
+            if param == prefix or param.startswith(prefix + "."):
+                param = origins[prefix] + "\0" + param[len(prefix):]  # \0: where the origin ends
+                break
+        for pattern, replacement in self.rules:
+            renamed, n = re.subn(pattern, replacement, param, count=1)
+            if n:
+                param = renamed
+                break
+        return param.replace("\0", "")
+
+    @contextlib.contextmanager
+    def speaking(self, origins: Mapping[str, str] | None = None) -> Iterator[None]:
+        """An APIError raised inside, with its param (and the message's leading field) in this protocol's terms."""
+        try:
+            yield
+        except APIError as e:
+            if e.param is not None:
+                old, e.param = e.param, self.name(e.param, origins)
+                if e.message.startswith(old + ":"):
+                    e.message = e.param + e.message[len(old):]
+            raise
+
+
+OPENAI_TERMS = Terms()  # the chat request's field names are OpenAI chat's
+ANTHROPIC_TERMS = Terms((
+    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^tool_choice\.function\.name", "tool_choice.name"),
+    (r"\0(?:\.tool_calls\.\d+)?\.function\.arguments.*", ".input"),  # a tool_use block's
+    (r"\0(?:\.tool_calls\.\d+)?\.function\.name", ".name"),
+    (r"\0(?:\.tool_calls\.\d+)?\.id", ".id"),
+    (r"\0\.tool_call_id", ".tool_use_id"),  # a tool_result block's
+    (r"\0\..*", ""),
+))
+RESPONSES_TERMS = Terms((
+    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
+    (r"^tool_choice\.function\.name", "tool_choice.name"),
+    (r"\0(?:\.tool_calls\.\d+)?\.function\.", "."),  # a function_call item's
+    (r"\0(?:\.tool_calls\.\d+)?\.id", ".call_id"),
+    (r"\0\.tool_call_id", ".call_id"),  # a function_call_output item's
+    (r"\0\.content", ".content"),
+    (r"\0\..*", ""),
+    (r"^messages\b.*", "input"),  # the whole conversation (its length, the template's refusal)
+))
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, *,
@@ -76,6 +144,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _log_refusal(request, exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.param, exc.code, headers=exc.headers, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
@@ -87,6 +156,7 @@ def install(app: FastAPI) -> None:
                                   f"(got {content_type or 'no Content-Type'})", None, "invalid_content_type",
                                   path=request.url.path)
         message, param = validation_message(exc)
+        _log_refusal(request, 400, message)
         unknown = any(e.get("type") == "extra_forbidden" for e in exc.errors()[:1])
         code = "unsupported_parameter" if unknown else "invalid_value" if param else "invalid_body"
         return error_response(400, message, param, code, path=request.url.path)
@@ -97,6 +167,11 @@ def install(app: FastAPI) -> None:
         message = f"no route {request.method} {request.url.path}" if status in (404, 405) else str(exc.detail)
         code = {404: "not_found", 405: "method_not_allowed"}.get(status)
         return error_response(status, message, None, code, headers=getattr(exc, "headers", None), path=request.url.path)
+
+    def _log_refusal(request: Request, status: int, message: str) -> None:
+        """One line per refused request, at the level the server logs by default (4xx: the client's doing)."""
+        if status < 500:
+            log.warning("refused %s %s: %d %s", request.method, request.url.path, status, message.splitlines()[0][:300])
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

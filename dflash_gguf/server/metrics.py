@@ -10,7 +10,21 @@ from collections import Counter
 from ..prompt_cache import PromptCache
 from ..stats import GenerationStats
 
-KNOWN_ROUTES = ("/", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health", "/metrics")
+KNOWN_ROUTES = ("/", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+                "/v1/responses", "/v1/responses/input_tokens", "/health", "/metrics")
+STORED_RESPONSE_ROUTE = "/v1/responses/{response_id}"  # GET / DELETE of one stored response, counted as one route
+# a prompt-cache lookup's result: the slot's live context held more of the prompt than any entry ("live"), an
+# entry was restored from a tier, or nothing was reused
+LOOKUP_RESULTS = ("live", "ram", "disk", "miss")
+
+
+def route_of(path: str) -> str:
+    """The route a path is counted under (ids folded into one label; unknown paths as "other")."""
+    if path in KNOWN_ROUTES:
+        return path
+    if path.startswith("/v1/responses/") and path.count("/") == 3:
+        return STORED_RESPONSE_ROUTE
+    return "other"
 
 
 class Metrics:
@@ -37,7 +51,7 @@ class Metrics:
         self.cache_stores = 0
 
     def count_request(self, path: str, status: int) -> None:
-        self.requests[(path if path in KNOWN_ROUTES else "other", status)] += 1
+        self.requests[(route_of(path), status)] += 1
 
     def count_generation(self, stats: GenerationStats, seconds: float) -> None:
         self.generations += 1
@@ -51,7 +65,8 @@ class Metrics:
         self.generation_seconds += seconds
         event = stats.prompt_cache
         if event is not None:
-            self.cache_lookups[event.tier or "miss"] += 1
+            live = event.tier is None and stats.n_cached_tokens > 0  # the slot's own context was the hit
+            self.cache_lookups[event.tier or ("live" if live else "miss")] += 1
             self.cache_restored_tokens += event.n_restored
             self.cache_restore_seconds += event.restore_ms / 1000.0
             self.cache_stores += event.stored
@@ -102,8 +117,8 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
     def _render_prompt_cache(self, metric, cache: PromptCache) -> None:
-        metric("dflash_prompt_cache_lookups_total", "counter", "Prompt-cache lookups of finished generations, by result.",
-               [(f'{{result="{r}"}}', self.cache_lookups[r]) for r in ("ram", "disk", "miss")])
+        metric("dflash_prompt_cache_lookups_total", "counter", "Prompt-cache lookups of finished generations, by result (live: the slot's own context held the most).",
+               [(f'{{result="{r}"}}', self.cache_lookups[r]) for r in LOOKUP_RESULTS])
         metric("dflash_prompt_cache_restored_tokens_total", "counter", "Prompt tokens restored from the prompt cache.",
                [("", self.cache_restored_tokens)])
         metric("dflash_prompt_cache_restore_seconds_total", "counter", "Time spent finding and restoring entries.",

@@ -21,9 +21,9 @@ from llama_cpp.server.types import ModelList
 
 from ..logprobs import CompletionLogprobs, chat_logprobs
 from ..steps import TokenLogprob
-from ..reply import openai_delta
+from ..chat.reply import openai_delta
 from .engine import Engine, Finished, Run
-from .errors import APIError, error_body
+from .errors import APIError, cancelled, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
 from .sse import stream_response
 
@@ -63,7 +63,7 @@ def router(engine: Engine) -> APIRouter:
         prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         header = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
-        token_bytes = engine.pool.slots[0].session.target.token_bytes
+        token_bytes = engine.token_bytes
         logprobs = (lambda entries: chat_logprobs(entries, token_bytes)) if job.gen.get("logprobs") is not None else None
         if job.stream:
             return stream_response(run, _sse(_chat_chunks(run, header, job.include_usage, logprobs)))
@@ -95,7 +95,7 @@ def router(engine: Engine) -> APIRouter:
         header = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": engine.config.model_alias}
         logprobs = None
         if job.gen.get("logprobs") is not None:  # llama_cpp's shape; text offsets count from the end of the prompt
-            logprobs = CompletionLogprobs(engine.pool.slots[0].session.target.token_bytes, len(job.prompt))
+            logprobs = CompletionLogprobs(engine.token_bytes, len(job.prompt))
         if job.stream:
             return stream_response(run, _sse(_completion_chunks(run, header, job.include_usage, logprobs)))
         f = await _finish(run)
@@ -110,14 +110,11 @@ def router(engine: Engine) -> APIRouter:
     return r
 
 
-_CANCELLED = APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
-
-
 async def _finish(run: Run) -> Finished:
     async for event in run.events():
         if isinstance(event, Finished):
             return event
-    raise _CANCELLED
+    raise cancelled()
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, str]]:
@@ -162,7 +159,7 @@ async def _chat_chunks(run: Run, header: dict[str, Any], include_usage: bool,
                 yield chunk(delta, shown if i == 0 else None)
         elif event.text or shown:
             yield chunk({"content": event.text}, shown)
-    raise _CANCELLED
+    raise cancelled()
 
 
 async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bool,
@@ -179,4 +176,4 @@ async def _completion_chunks(run: Run, header: dict[str, Any], include_usage: bo
             yield {**head, "choices": [{"text": event.text, "index": 0,
                                         "logprobs": logprobs(event.logprobs) if logprobs else None,
                                         "finish_reason": None}]}
-    raise _CANCELLED
+    raise cancelled()

@@ -14,7 +14,6 @@ next assistant turn's reasoning_content; `reasoning.effort` "none" turns the tem
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -24,12 +23,12 @@ from typing import Any, AsyncIterator, Callable, Iterator, List, Literal, Option
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..reply import ReplyReader, Thought
-from ..tool_calls import CallDelta, ToolCall
+from ..chat.reply import ReplyReader, Thought
+from ..chat.tool_calls import CallDelta, ToolCall
 from .engine import Engine, Finished, Prepared, Run
-from .errors import APIError
+from .errors import RESPONSES_TERMS, APIError, cancelled
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, template_variables
+from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, refuse_unencodable, template_variables
 from .sse import heartbeat, stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
@@ -99,6 +98,7 @@ class ResponseStore:
 
 def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]]:
     """The chat Job for a request, and the conversation it continues (previous turns, then this input)."""
+    refuse_unencodable(req)
     if req.background:
         raise _refuse("background", "background responses are not supported: stream it or wait for it")
     if req.truncation == "auto":
@@ -112,7 +112,11 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         conversation = [m for m in conversation if m["role"] != "system"]  # instructions are not carried over
     if req.instructions:
         conversation = [{"role": "system", "content": req.instructions}, *conversation]
-    conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())})
+    origins = {f"messages.{k}": "previous_response_id" for k in range(len(conversation))}
+    if req.instructions:
+        origins["messages.0"] = "instructions"
+    conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())},
+                                    origins, len(conversation))
     gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
     gen |= _max_tokens(req.max_output_tokens)
     reasoning = req.reasoning or {}
@@ -121,7 +125,8 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         raise _refuse(f"reasoning.{unknown[0]}", "not supported")
     return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools)[0],
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-               chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort")), conversation
+               chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort"),
+               origins=origins), conversation
 
 
 # Hosted tools the client may list that this server does not run: the model is not offered them (OpenAI's own
@@ -170,11 +175,14 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
                   "invalid_value")
 
 
-def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[Message]:
-    """Input items as chat messages: function_call items join the assistant turn before them as its tool
-    calls, a function_call_output is the tool turn answering one of `calls` (those so far, theirs included),
-    a reasoning item is the thought of the assistant turn after it."""
+def _input_messages(items: str | list[dict[str, Any]], calls: set[str], origins: dict[str, str], at: int,
+                    ) -> list[Message]:
+    """Input items as chat messages (the first the chat's message `at`, the item each came from noted in
+    `origins`): function_call items join the assistant turn before them as its tool calls, a
+    function_call_output is the tool turn answering one of `calls` (those so far, theirs included), a
+    reasoning item is the thought of the assistant turn after it."""
     if isinstance(items, str):
+        origins[f"messages.{at}"] = "input"
         return [{"role": "user", "content": items}]
     out: list[Message] = []
     thought: list[str] = []  # reasoning items waiting for their assistant turn
@@ -185,14 +193,16 @@ def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[
             if role is None:
                 raise _refuse(f"input.{i}.role", f"must be user, assistant, system or developer, got {item.get('role')!r}",
                               "invalid_value")
+            origins[f"messages.{at + len(out)}"] = f"input.{i}"
             out.append({"role": role, "content": _parts_text(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call":
             call = _history_call(item, f"input.{i}")
             calls.add(call["id"])
-            if out and out[-1]["role"] == "assistant" and not any(thought):
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if not (out and out[-1]["role"] == "assistant" and not any(thought)):
+                origins[f"messages.{at + len(out)}"] = f"input.{i}"
+                out.append({"role": "assistant", "content": "", "tool_calls": []})
+            origins[f"messages.{at + len(out) - 1}.tool_calls.{len(out[-1].setdefault('tool_calls', []))}"] = f"input.{i}"
+            out[-1]["tool_calls"].append(call)
         elif kind == "reasoning":
             thought.append(_reasoning_text(item, f"input.{i}"))
             continue
@@ -200,6 +210,7 @@ def _input_messages(items: str | list[dict[str, Any]], calls: set[str]) -> list[
             if item.get("call_id") not in calls:
                 raise _refuse(f"input.{i}.call_id", f"no earlier function_call has the call_id {item.get('call_id')!r}",
                               "invalid_value")
+            origins[f"messages.{at + len(out)}"] = f"input.{i}"
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _parts_text(item.get("output"), f"input.{i}.output")})
         else:
@@ -264,25 +275,6 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any]:
     raise _refuse("text.format.type", f"must be text, json_object or json_schema, got {kind!r}", "invalid_value")
 
 
-def _responses_param(param: str) -> str:
-    """A tool field as the chat route names it (tools.0.function.parameters) in this request's terms."""
-    param = param.replace("tool_choice.function.name", "tool_choice.name")
-    head, dot, rest = param.partition(".function.")
-    return f"{head}.{rest}" if dot and head.startswith("tools.") else param
-
-
-@contextlib.contextmanager
-def _responses_terms() -> Iterator[None]:
-    """An APIError about a tool field, named in the Responses request's terms (tools.0.parameters)."""
-    try:
-        yield
-    except APIError as e:
-        if e.param is not None and e.param.startswith(("tools", "tool_choice")):
-            e.param = _responses_param(e.param)
-            e.message = f"{e.param}: {e.message.split(': ', 1)[-1]}"
-        raise
-
-
 def router(engine: Engine) -> APIRouter:
     r = APIRouter()
     store = ResponseStore()
@@ -291,7 +283,7 @@ def router(engine: Engine) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         the_job, conversation = job(body, store)
-        with _responses_terms():
+        with RESPONSES_TERMS.speaking(the_job.origins):
             prepared = engine.prepare(the_job)
         run = await engine.start(prepared, request)
         shell = _shell(body, engine.config.model_alias)
@@ -317,7 +309,7 @@ def router(engine: Engine) -> APIRouter:
                 list(output.feed(prepared.reader(), event.text, final=True))
                 output.close(_status(event))
                 return finish(event, output)
-        raise _CANCELLED
+        raise cancelled()
 
     @r.post("/v1/responses/input_tokens")
     async def input_tokens(body: ResponsesRequest) -> dict[str, Any]:
@@ -325,8 +317,8 @@ def router(engine: Engine) -> APIRouter:
         (OpenAI's input-token count; nothing is generated)."""
         check_model(engine, body.model)
         the_job, _ = job(body, store)
-        with _responses_terms():
-            tokens = engine.prompt(the_job)[0]
+        with RESPONSES_TERMS.speaking(the_job.origins):
+            tokens = engine.prompt(the_job)
         return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @r.get("/v1/responses/{response_id}")
@@ -341,7 +333,6 @@ def router(engine: Engine) -> APIRouter:
     return r
 
 
-_CANCELLED = APIError(503, "the generation was cancelled (the server is shutting down)", code="cancelled")
 
 
 def _status(f: Finished) -> str:
@@ -366,7 +357,7 @@ def _thought_tokens(engine: Engine, prepared: Prepared, f: Finished) -> int:
     """How many of the reply's tokens its thought took (usage.output_tokens_details.reasoning_tokens)."""
     if prepared.thinking is None:
         return 0
-    token_bytes = engine.pool.slots[0].session.target.token_bytes
+    token_bytes = engine.token_bytes
     return prepared.thinking.tokens_in_thought([token_bytes(t).decode("utf-8", "replace") for t in f.tokens])
 
 
@@ -519,6 +510,6 @@ async def _events(run: Run, shell: dict[str, Any], reader: ReplyReader | None,
                 return
             for e in output.feed(reader, step.text):
                 yield e
-        raise _CANCELLED
+        raise cancelled()
     except APIError as e:
         yield event("error", code=e.code, message=e.message, param=e.param)

@@ -30,9 +30,11 @@ from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletion
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
+from ..chat import ChatRequest
+from ..chat.reasoning import check_chat_template_kwargs
+from ..chat.request import unencodable
 from ..checks import SettingError
 from ..config import GenerationConfig
-from ..reasoning import check_chat_template_kwargs
 from .errors import APIError
 
 Message = dict[str, Any]
@@ -153,7 +155,7 @@ class AnthropicBlock(BaseModel):
 class AnthropicMessage(BaseModel):
     """A turn; `system` inside `messages` is Claude Code's mid-conversation system message (its
     mid-conversation-system beta), rendered where it stands or, where the template refuses that, joined to the
-    leading system message (chat_template.place_system_messages)."""
+    leading system message (chat.template.place_system_messages)."""
 
     role: Literal["user", "assistant", "system"]
     content: Union[str, List[AnthropicBlock]]
@@ -196,6 +198,10 @@ class CountTokensRequest(MessagesRequest):
 
 
 # -- what the Session is asked ------------------------------------------------------------------
+# the key under which a constraint's settings name the request field that carried it (popped by Job)
+CONSTRAINT_FIELD = "constraint_field"
+
+
 @dataclass
 class Job:
     """One request, reduced to what a Session takes: chat messages or a raw prompt, and generation arguments."""
@@ -212,6 +218,27 @@ class Job:
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the chat template's own variables
     split_thought: bool = True  # a thinking model's thought is given apart from the answer
+    constraint_field: str | None = None  # the request's field that carried the grammar or schema
+    # where each chat message (and call) came from in the request, where they do not map one for one
+    # (errors.Terms: `messages.3` -> `input.5`); empty: the request's messages are the chat's
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.gen = dict(self.gen)
+        self.constraint_field = self.gen.pop(CONSTRAINT_FIELD, self.constraint_field)
+
+    def chat_request(self, settings: dict[str, Any]) -> ChatRequest:
+        """The chat floor's request for this job, generating with `settings`."""
+        return ChatRequest(self.messages or [], self.tools, self.tool_choice, self.parallel_tool_calls,
+                           self.chat_template_kwargs, split_thought=self.split_thought, settings=settings)
+
+
+def refuse_unencodable(body: BaseModel) -> None:
+    """A 400 naming the first text field of the request that is not valid Unicode (a lone surrogate such as
+    "\\ud800" is valid JSON, but no tokenizer can encode it)."""
+    where = unencodable(body.model_dump(exclude_unset=True), "")
+    if where is not None:
+        raise _refuse(where, "is not valid Unicode text (a lone surrogate such as \\ud800)", "invalid_value")
 
 
 def _refuse(param: str, why: str, code: str = "unsupported_parameter") -> APIError:
@@ -247,6 +274,7 @@ def _text_parts(content: Any, param: str) -> str:
 
 
 def chat_job(req: ChatCompletionRequest) -> Job:
+    refuse_unencodable(req)
     for legacy, instead in (("functions", "tools"), ("function_call", "tool_choice")):
         if getattr(req, legacy) is not None:
             raise _refuse(legacy, f"the legacy function-calling field is not supported: use {instead}")
@@ -289,6 +317,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
 
 
 def completion_job(req: CompletionRequest) -> Job:
+    refuse_unencodable(req)
     _check_choices(req)
     _check_neutral(req, {"mirostat_mode": 0, "min_tokens": 0, "echo": False, "suffix": None})
     prompt = req.prompt
@@ -308,6 +337,7 @@ def completion_job(req: CompletionRequest) -> Job:
 
 
 def messages_job(req: MessagesRequest) -> Job:
+    refuse_unencodable(req)
     tools = [_anthropic_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)] if req.tools else None
     tool_choice, parallel = _anthropic_tool_choice(req.tool_choice)
     output = req.output_config or {}
@@ -323,15 +353,18 @@ def messages_job(req: MessagesRequest) -> Job:
     if req.container is not None:
         raise _refuse("container", "code-execution containers are not supported")
     messages: list[Message] = []
+    origins: dict[str, str] = {}
     if req.system:
+        origins["messages.0"] = "system"
         messages.append({"role": "system", "content": _without_billing_header(_anthropic_text(req.system, "system"))})
     ids: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
-        messages += _anthropic_message(m, f"messages.{i}.content", ids)
+        messages += _anthropic_message(m, f"messages.{i}.content", ids, origins, len(messages))
     gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
-               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_off)
+               tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_off,
+               origins=origins)
 
 
 def _check_thinking(thinking: dict[str, Any] | None) -> None:
@@ -390,9 +423,12 @@ def _anthropic_text(content: str | list[AnthropicBlock], param: str) -> str:
     return "".join(texts)
 
 
-def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[Message]:
-    """One Anthropic message as chat messages: an assistant's tool_use blocks become its tool_calls, a user's
-    tool_result blocks become tool messages (before the user's own text, as they answer the previous turn)."""
+def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str], origins: dict[str, str], at: int,
+                       ) -> list[Message]:
+    """One Anthropic message as chat messages (the first of them the chat's message `at`, each one's origin
+    noted in `origins`): an assistant's tool_use blocks become its tool_calls, a user's tool_result blocks
+    become tool messages (before the user's own text, as they answer the previous turn)."""
+    origins[f"messages.{at}"] = param
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     if m.role == "system":
@@ -411,7 +447,10 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
                 raise _refuse(f"{where}.input", "a tool_use block needs its input object", "invalid_value")
             if not isinstance(data.get("id"), str) or not data["id"]:
                 raise _refuse(f"{where}.id", "a tool_use block needs its id", "invalid_value")
+            if not isinstance(data.get("name"), str) or not data["name"]:
+                raise _refuse(f"{where}.name", "a tool_use block needs the tool's name", "invalid_value")
             ids.add(data["id"])
+            origins[f"messages.{at}.tool_calls.{len(calls)}"] = where  # the message's index is fixed below
             calls.append({"id": data["id"], "type": "function",
                           "function": {"name": data.get("name"), "arguments": data["input"]}})
         elif block.type == "thinking" and m.role == "assistant":
@@ -424,12 +463,17 @@ def _anthropic_message(m: AnthropicMessage, param: str, ids: set[str]) -> list[M
             if data.get("tool_use_id") not in ids:
                 raise _refuse(f"{where}.tool_use_id", f"no earlier tool_use block has the id {data.get('tool_use_id')!r}",
                               "invalid_value")
+            origins[f"messages.{at + len(results)}"] = where
             results.append({"role": "tool", "tool_call_id": data.get("tool_use_id"),
                             "content": _tool_result_text(data.get("content"), f"{where}.content")})
         else:
             raise _refuse(f"{where}.type", f"content block {block.type!r} is not supported in a {m.role} message: "
                           "text, tool_use and thinking (assistant) and tool_result (user) are")
     out, text = results, "".join(texts)
+    if results:  # the message itself comes after its tool results
+        for j in range(len(calls)):
+            origins[f"messages.{at + len(results)}.tool_calls.{j}"] = origins.pop(f"messages.{at}.tool_calls.{j}")
+        origins[f"messages.{at + len(results)}"] = param
     thought = {"reasoning_content": "\n".join(thoughts)} if any(thoughts) else {}
     if calls:
         out.append({"role": "assistant", "content": text, "tool_calls": calls, **thought})
@@ -466,15 +510,6 @@ def _anthropic_tool(tool: dict[str, Any], param: str) -> dict[str, Any]:
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
-
-
-def anthropic_param(param: str | None) -> str | None:
-    """A tool field as the OpenAI route names it (tools.0.function.parameters) in the Anthropic request's terms."""
-    if param is None:
-        return None
-    param = re.sub(r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema", param)
-    param = re.sub(r"^tools\.(\d+)\.function\.", r"tools.\1.", param)
-    return param.replace("tool_choice.function.name", "tool_choice.name")
 
 
 def _anthropic_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
@@ -523,7 +558,7 @@ def _constraint(kind: str, source: Any, param: str) -> dict[str, Any]:
         GenerationConfig(**{kind: source})
     except SettingError as e:
         raise _refuse(param, e.problem, "invalid_value") from None
-    return {kind: source}
+    return {kind: source, CONSTRAINT_FIELD: param}
 
 
 def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any]:

@@ -16,9 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .checks import SettingError
-from .constraints import json_rule
-from .tool_calls import hold_back
+from ..checks import SettingError
+from ..constraints import json_rule
+from .families.base import hold_back
+from .grammar import LarkGrammar
 
 # (start, end) markers of each family's thought, told apart by the end marker in the chat template
 MARKERS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("[THINK]", "[/THINK]"),
@@ -37,21 +38,18 @@ class Thinking:
     def stream(self) -> "ThoughtStream":
         return ThoughtStream(self)
 
-    def constrain_after(self, reply: str) -> str:
-        """A Lark grammar (llguidance's, with one `start` rule) for a reply whose thought comes first: the
-        thought is free text up to the end marker, then `reply`'s grammar holds the rest. Where the prompt did
-        not open the thought, the model may open one (after blank space) or not; `reply` must then begin
-        with something other than free text (a call's opener, JSON), which the optional thought cannot be
-        told apart from."""
-        lines = reply.splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("start:")]
-        if len(starts) != 1 or not lines or not lines[0].startswith("%llguidance"):
-            raise ValueError("the grammar to follow a thought must be Lark with one start rule")
-        lines[starts[0]] = "answer:" + lines[starts[0]][len("start:"):]
+    def constrain_after(self, reply: str) -> LarkGrammar:
+        """A grammar for a reply whose thought comes first: the thought is free text up to the end marker, then
+        `reply` (a LarkGrammar: a family's call grammar, json_answer's) holds the rest, its start rule renamed
+        `answer`. Where the prompt did not open the thought, the model may open one (after blank space) or not;
+        `reply` must then begin with something other than free text (a call's opener, JSON), which the optional
+        thought cannot be told apart from."""
+        if not isinstance(reply, LarkGrammar):
+            raise ValueError("the grammar to follow a thought must be Lark with one start rule (a LarkGrammar)")
         thought = "thought" if self.opened else f"(/[ \\t\\n]{{0,8}}/ {json.dumps(self.start)} thought)?"
         # a lazy rule: the thought ends where the end marker first appears, and never holds the marker itself
-        return "\n".join([lines[0], f"start: {thought} answer", f"thought[lazy]: THOUGHT {json.dumps(self.end)}",
-                          "THOUGHT: /(.|\\n)*/", *lines[1:]]) + "\n"
+        return reply.renamed_start("answer", f"{thought} answer", [
+            f"thought[lazy]: THOUGHT {json.dumps(self.end)}", "THOUGHT: /(.|\\n)*/"])
 
     def tokens_in_thought(self, pieces: Sequence[str]) -> int:
         """How many of a reply's tokens (their texts, in order) the thought took: up to the one that completes
@@ -101,9 +99,9 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, An
     return out
 
 
-def json_answer(schema: str) -> str:
+def json_answer(schema: str) -> LarkGrammar:
     """A JSON schema's text as a Lark grammar (its `start` rule), for Thinking.constrain_after."""
-    return f"%llguidance {{}}\nstart: /[ \\t\\n]{{0,8}}/ {json_rule(schema)}\n"
+    return LarkGrammar(f"/[ \\t\\n]{{0,8}}/ {json_rule(schema)}")
 
 
 class ThoughtStream:
