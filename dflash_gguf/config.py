@@ -21,7 +21,7 @@ from .constraints import ConstraintSpec, compile_grammar, schema_text
 from .prompt_cache import DEFAULT_DISK_BYTES, PromptCache, parse_size
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
-from .target import KV_TYPES, QUANTIZED_KV_TYPES
+from .target import KV_TYPES, LLAMA_MAX_SEQ, QUANTIZED_KV_TYPES
 
 __all__ = [
     "CacheOptions", "GenerationConfig", "KV_CACHE_SETTINGS", "PROMPT_CACHE_SETTINGS",
@@ -190,9 +190,16 @@ class SessionOptions:
     type_v_draft: str | None = setting(None, _kv_type("as the target"),
                                        "drafter KV cache type for V (default: as the target)",
                                        flags=("--cache-type-v-draft", "-ctvd"), parse=str)
+    # a greedy cycle verifies a tree of the drafter's candidates instead of one block (issue 36)
+    tree_nodes: int = setting(0, integer(0, " (0 = linear blocks)"),
+                              "rows of each draft tree, the anchor included (0: linear blocks; 2..257, at most "
+                              "n_batch); the target's KV cache is then unified, one sequence per leaf", parse=int)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.tree_nodes and not 2 <= self.tree_nodes <= min(self.n_batch, LLAMA_MAX_SEQ + 1):
+            raise SettingError("tree_nodes", f"must be 0 or in [2, {min(self.n_batch, LLAMA_MAX_SEQ + 1)}] "
+                               f"(n_batch, and one sequence per leaf), got {self.tree_nodes}")
         if not self.flash_attn:  # libllama reads a V cache transposed without it, which quantized blocks cannot be
             for name in ("type_v", "type_v_draft"):
                 if getattr(self, name) in QUANTIZED_KV_TYPES:

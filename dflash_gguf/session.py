@@ -31,6 +31,7 @@ from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_id
 from .reasoning import Thinking, check_chat_template_kwargs, json_answer, thinking_for
 from .reply import ReplyReader, openai_delta
 from .sources import Commit, DraftSource, NativeDrafterSource
+from .tree import TreeShaper, tree_unusable
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
@@ -148,11 +149,13 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
             type_k=o.type_k,
             type_v=o.type_v,
+            n_seq_max=max(1, o.tree_nodes - 1),  # a tree of n rows has at most n - 1 leaves
+            kv_unified=o.tree_nodes > 0,
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
                          n_gpu_layers_draft=o.n_gpu_layers_draft, prompt_cache=prompt_cache,
-                         draft_kv=(o.type_k_draft, o.type_v_draft))
+                         draft_kv=(o.type_k_draft, o.type_v_draft), tree_nodes=o.tree_nodes)
         except BaseException:
             tgt.close()
             raise
@@ -197,7 +200,7 @@ class Session:
                 raise
         other = Session.__new__(Session)
         other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None,
-                      prompt_cache=self._prompt_cache)
+                      prompt_cache=self._prompt_cache, tree_nodes=self._tree_nodes)
         other._context = self._context  # the same files and settings: the same prompt-cache context
         other._llama = None
         return other
@@ -214,8 +217,11 @@ class Session:
         n_gpu_layers_draft: int | None = None,
         prompt_cache: PromptCache | None = None,
         draft_kv: tuple[str | None, str | None] = (None, None),
+        tree_nodes: int = 0,
     ) -> None:
         given = _check_sources(sources)
+        self._tree_nodes = tree_nodes
+        self.tree_disabled_reason: str | None = None  # why tree_nodes was asked for but cycles verify blocks
         self._prompt_cache = prompt_cache
         self._context: str | None = None  # the prompt-cache context id, computed on first use
         self._prompt_snapshot: tuple[Snapshot, float] | None = None  # captured by this generation's prefill, and ms
@@ -258,6 +264,10 @@ class Session:
                 type_k=draft_kv[0], type_v=draft_kv[1])
             self._native_source = NativeDrafterSource(self.drafter)
             self._sources.append(self._native_source)
+            if tree_nodes:
+                self.tree_disabled_reason = tree_unusable(target, self.memory, self.drafter)
+                if self.tree_disabled_reason is None:
+                    self._native_source.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
             try:
                 _check_names(s.name for s in self._sources)
             except ValueError:

@@ -58,6 +58,7 @@ class Step:
     n_accepted: int = 0
     bonus_token: int | None = None
     block_size: int = 0  # tokens the target decoded this cycle (last committed + drafts); 0 if none
+    tree_nodes: int = 0  # rows of the draft tree this cycle verified (anchor included); 0: a linear block or none
     reason: str = ""  # for display only
     draft_s: float = 0.0
     verify_s: float = 0.0  # PREFILL: the prefill time

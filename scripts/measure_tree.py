@@ -1,0 +1,170 @@
+"""τ of draft trees against a linear block at equal verify rows, with the embedded pair, on held-out prompts (issue 36).
+
+Two passes. `collect` answers each prompt greedily with plain decoding (the target's own continuation, which
+greedy verification reproduces), capturing the target's features, then runs the drafter at every position of
+the answer with exactly the features a cycle there would have injected, and keeps each slot's top-k
+candidates. `replay` then runs the loop for any shape on those drafts: a cycle at position p verifies a tree
+(or a block) and commits the longest path whose tokens are the target's continuation, plus the bonus; the
+acceptance model learns online from those outcomes only (what a live loop sees), in prompt order.
+
+    python scripts/measure_tree.py collect --prompts ../shared/data/train_prompts.jsonl --out /tmp/tree_drafts.npz
+    python scripts/measure_tree.py replay /tmp/tree_drafts.npz
+The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
+as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, build_tree, candidates, target_ranks, walk_greedy
+
+def held_out(prompts_file: Path, per_category: int, skip: int) -> list:
+    from dflash_gguf.bench.suite import builtin_suite_path
+    from dflash_gguf.train.prompts import load_prompts, split_prompts
+
+    bench = {p.id for p in load_prompts(builtin_suite_path())}
+    _, test = split_prompts(load_prompts(prompts_file), 40, 0, bench)
+    out, taken = [], {}
+    for p in test:
+        if p.id in bench:
+            continue
+        i = taken.get(p.category, 0)
+        taken[p.category] = i + 1
+        if skip <= i < skip + per_category:
+            out.append(p)
+    return out
+
+
+def collect(args: argparse.Namespace) -> None:
+    from dflash_gguf import Session
+
+    k, slots = args.k, None
+    records = []
+    with Session(n_ctx=2048, n_threads=args.threads, lookup=False) as s:
+        target, drafter = s.target, s.drafter
+        slots = drafter.max_draft
+        for n, p in enumerate(held_out(args.prompts, args.per_category, args.skip)):
+            text, _ = s.render_chat([{"role": "user", "content": p.prompt}])
+            seq = s.tokenize(text, add_special=False)[: args.max_prompt]
+            n_prompt = len(seq)
+            target.clear()
+            feats = []
+            for a in range(0, n_prompt, target.n_batch):
+                b = min(n_prompt, a + target.n_batch)
+                target.decode(seq[a:b], a, logits="last" if b == n_prompt else False)
+                feats.append(target.features(b - a))
+            for _ in range(args.max_tokens):  # plain greedy decoding: the target's own continuation
+                tok = int(np.argmax(target.output_logits()[-1]))
+                seq.append(tok)
+                if target.is_eog(tok) or len(seq) >= target.n_ctx_seq - slots - 2:
+                    break
+                target.decode([tok], len(seq) - 1, logits=True)
+                feats.append(target.features(1))
+            features = np.concatenate(feats)  # rows 0..len(seq)-2: every token but the last has been decoded
+            drafter.clear()
+            drafter.inject(features[:n_prompt], 0)
+            ids = np.zeros((len(seq), slots, k), np.int32)
+            logq = np.zeros((len(seq), slots, k), np.float32)
+            for pos in range(n_prompt, len(seq) - 1):  # a cycle with `last` = seq[pos]
+                if pos > n_prompt:
+                    drafter.inject(features[pos - 1 : pos], pos - 1)
+                rows = np.asarray(drafter.draft(seq[pos], pos, slots), np.float64)
+                top = candidates(rows, k)
+                z = rows - rows.max(axis=1, keepdims=True)
+                lse = np.log(np.exp(z).sum(axis=1, keepdims=True))
+                ids[pos] = top
+                logq[pos] = np.take_along_axis(z - lse, top, axis=1)
+            records.append((p, seq, n_prompt, ids, logq))
+            print(f"{n + 1}: {p.category} {p.id}: {n_prompt} prompt + {len(seq) - n_prompt} reply tokens", flush=True)
+        s.reset()
+    np.savez_compressed(
+        args.out,
+        meta=json.dumps([{"id": p.id, "category": p.category, "n_prompt": n_prompt, "n": len(seq)}
+                         for p, seq, n_prompt, _, _ in records]),
+        **{f"seq{i}": np.asarray(r[1], np.int32) for i, r in enumerate(records)},
+        **{f"ids{i}": r[3] for i, r in enumerate(records)},
+        **{f"logq{i}": r[4] for i, r in enumerate(records)},
+    )
+    print(f"wrote {args.out}")
+
+
+def replay_shape(data, budget: int, scoring: str, k: int) -> dict[str, float]:
+    """Replay the loop with trees of `budget` rows (scoring 'linear': the top-1 block of that many rows)."""
+    meta = json.loads(str(data["meta"]))
+    slots = data["ids0"].shape[1]
+    model = AcceptanceModel(slots, k)
+    calibrated = CalibratedAcceptance(slots)
+    by_cat: dict[str, list[int]] = {}
+    for i, m in enumerate(meta):
+        seq, ids, logq = data[f"seq{i}"], data[f"ids{i}"][:, :, :k], data[f"logq{i}"][:, :, :k]
+        pos, n = m["n_prompt"], m["n"]
+        cycles = committed = 0
+        while pos < n - 1:
+            if scoring == "linear":
+                accept = np.zeros((slots, k))
+                accept[:, 0] = 1.0  # a chain of the top-1 candidates
+            elif scoring == "drafter":
+                accept = np.exp(logq[pos].astype(np.float64))
+            elif scoring == "calibrated":
+                accept = calibrated.accept(np.exp(logq[pos].astype(np.float64)))
+            else:
+                accept = model.table()
+            tree = build_tree(int(seq[pos]), ids[pos], accept, budget)
+            cont = seq[pos + 1 :]
+            path, _ = walk_greedy(tree, lambda row: int(cont[tree.depths[row]]) if tree.depths[row] < len(cont) else -1)
+            a = len(path) - 1
+            ranks = target_ranks(ids[pos], cont[: a + 1])
+            model.observe(ranks)
+            calibrated.observe(np.exp(logq[pos].astype(np.float64)), ranks)
+            step = min(a + 1, n - 1 - pos)
+            cycles += 1
+            committed += step
+            pos += step
+        c = by_cat.setdefault(m["category"], [0, 0])
+        c[0] += cycles
+        c[1] += committed
+    cyc = sum(c[0] for c in by_cat.values())
+    tok = sum(c[1] for c in by_cat.values())
+    return {"tau": tok / cyc, **{cat: c[1] / c[0] for cat, c in sorted(by_cat.items())}}
+
+
+def replay(args: argparse.Namespace) -> None:
+    data = np.load(args.drafts)
+    meta = json.loads(str(data["meta"]))
+    print(f"{len(meta)} prompts, {sum(m['n'] - m['n_prompt'] for m in meta)} reply tokens")
+    rows = [("linear", 16, "linear")]
+    rows += [(f"tree ({sc})", b, sc) for b in args.budgets for sc in ("learned", "drafter", "calibrated")]
+    print("| shape | verify rows | τ | " + " | ".join(c for c in sorted({m["category"] for m in meta})) + " |")
+    for name, budget, sc in rows:
+        r = replay_shape(data, budget, sc, args.k)
+        cats = " | ".join(f"{v:.2f}" for key, v in r.items() if key != "tau")
+        print(f"| {name} | {budget} | {r['tau']:.2f} | {cats} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--prompts", type=Path, required=True, help="train_prompts.jsonl, the embedded drafter's training prompts")
+    c.add_argument("--per-category", type=int, default=8)
+    c.add_argument("--skip", type=int, default=8, help="held-out prompts per category to pass over (the training's evaluation set)")
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument("--max-prompt", type=int, default=1024)
+    c.add_argument("--k", type=int, default=8, help="candidates kept per slot")
+    c.add_argument("--threads", type=int, default=1)
+    r = sub.add_parser("replay")
+    r.add_argument("drafts", type=Path)
+    r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    r.add_argument("--k", type=int, default=8)
+    args = ap.parse_args()
+    collect(args) if args.cmd == "collect" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
