@@ -344,6 +344,7 @@ def decode_steps(
             bonus_token=bonus,
             block_size=timing.block_tokens,
             tree_nodes=0 if tree is None else len(tree),
+            tree_branch=0 if tree is None else tree.seq_ranges[path[-1]][0],
             reason=choice.reason,
             draft_s=timing.draft_s,
             verify_s=timing.verify_s,

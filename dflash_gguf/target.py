@@ -588,13 +588,12 @@ class Target(NativeResource):
         n = len(tok)
         if len(seq_ranges) != n:
             raise ValueError(f"{len(seq_ranges)} sequence ranges for {n} tokens")
-        width = self._seq.shape[1]
         for i, (first, end) in enumerate(seq_ranges):
-            if not 0 <= first < end <= self.n_seq_max:
-                raise ValueError(f"row {i}: sequence ids [{first}, {end}) outside [0, {self.n_seq_max})")
-            if end - first > width:
+            if end - first > 1 and not self.kv_unified:
                 raise ValueError(f"row {i} carries {end - first} sequence ids: a shared node needs a Target opened "
                                  "with kv_unified=True")
+            if not 0 <= first < end <= self.n_seq_max:
+                raise ValueError(f"row {i}: sequence ids [{first}, {end}) outside [0, {self.n_seq_max})")
         last: dict[int, tuple[int, tuple[int, int]]] = {}  # sequence -> (position, range) of its last row so far
         for i, r in enumerate(seq_ranges):
             for s in range(*r):
