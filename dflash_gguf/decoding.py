@@ -24,7 +24,7 @@ from .sampling import SamplingParams, adjusted_logits, greedy_tokens, probabilit
 from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import Step, StepKind, TokenLogprob, TokenSource
 from .target import Target
-from .tree import keep_path, share_prefix, walk_greedy
+from .tree import keep_path, share_prefix, walk_greedy, walk_sampled
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -198,8 +198,8 @@ def decode_steps(
     n_prompt = len(prompt)
     n_logprobs = config.logprobs
     # a tree's rows are judged one path each: no grammar (its matcher follows one path), no penalties (their
-    # windows are one path's), sampling not yet (rejection over several candidates); else its first path
-    trees = constraint is None and params.greedy and not params.penalizes and memory.keeps_trees and target.kv_unified
+    # windows are one path's); else its first path is verified, as a linear block
+    trees = constraint is None and not params.penalizes and memory.keeps_trees and target.kv_unified
 
     def choose_from(raw: np.ndarray, block: Sequence[int]) -> np.ndarray:
         """The verify rows to choose from: masked by the constraint, then biased and penalised per row.
@@ -306,8 +306,11 @@ def decode_steps(
             t_verify = time.perf_counter()
             target.decode_tree(tree.tokens, [n_past + d for d in tree.depths], tree.seq_ranges)
             raw = target.output_logits()
-            argmax = greedy_tokens(choose_from(raw, ()))
-            path, bonus = walk_greedy(tree, lambda row: int(argmax[row]))
+            if params.greedy:
+                argmax = greedy_tokens(choose_from(raw, ()))
+                path, bonus = walk_greedy(tree, lambda row: int(argmax[row]))
+            else:
+                path, bonus = walk_sampled(tree, probabilities(choose_from(raw, ()), params), rng)
             block = [tree.tokens[row] for row in path]
             n_accepted = len(path) - 1
         chosen = block[1 : n_accepted + 1] + [bonus]

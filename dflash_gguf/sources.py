@@ -150,7 +150,7 @@ class NativeDrafterSource(DraftSource):
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
         self.controller: BlockController | None = None
-        self.tree: TreeShaper | None = None  # set: greedy cycles verify a tree of its budget (DFlash drafters)
+        self.tree: TreeShaper | None = None  # set: its cycles propose a tree of its budget (DFlash drafters)
         self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
@@ -185,9 +185,10 @@ class NativeDrafterSource(DraftSource):
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
         self.finish()
-        if self.tree is not None and params.greedy:
-            tree = self.tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft))
-            return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), tree=tree)
+        if self.tree is not None:  # candidates chosen, not drawn: any sampling verifies them exactly (tree.walk_sampled)
+            costs = None if self.controller is None or not self.controller.adaptive else self.controller.costs
+            tree = self.tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), costs)
+            return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), point_mass=True, tree=tree)
         p = self.drafter.propose(last, n_past, n_draft, params, rng)
         return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
 

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from .sampling import sample_token
 from .target import state_seq_get, state_seq_set
 
 if TYPE_CHECKING:
+    from .controller import CostModel
     from .drafter import Drafter
     from .memory import TargetMemory
     from .target import Target
@@ -32,7 +34,8 @@ class DraftTree:
     """A verify batch shaped as a tree. Row 0 is the anchor (the last committed token, depth 0).
 
     tokens/parents/depths/ranks: per row (parents[0] = -1; ranks[i]: the candidate rank of row i's token
-    at its slot, -1 for the anchor). leaves: the rows without children, in row order; the sequence id of
+    at its slot, -1 for the anchor). probs[i]: the chance row i's path is accepted (1 for the anchor), so a
+    verify of the tree is expected to commit 1 + sum(probs[1:]) tokens, the bonus included. leaves: the rows without children, in row order; the sequence id of
     leaf j is j. seq_ranges[i]: the leaf ids below row i, as (first, last + 1).
     """
 
@@ -42,6 +45,13 @@ class DraftTree:
     ranks: tuple[int, ...]
     leaves: tuple[int, ...]
     seq_ranges: tuple[tuple[int, int], ...]
+    probs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]].append(i)
+        object.__setattr__(self, "_children", tuple(tuple(k) for k in kids))  # the walks ask for them per row
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -52,6 +62,11 @@ class DraftTree:
         return len(self.leaves) == 1
 
     @property
+    def expected_tokens(self) -> float:
+        """Tokens a verify of this tree is expected to commit, the bonus included."""
+        return 1.0 + sum(self.probs[1:])
+
+    @property
     def first_leaf(self) -> int:
         """The end of the first path: rows 0..first_leaf are the likeliest chain, a linear block."""
         return self.leaves[0]
@@ -60,8 +75,9 @@ class DraftTree:
     def max_depth(self) -> int:
         return max(self.depths)
 
-    def children(self, row: int) -> list[int]:
-        return [i for i in range(row + 1, len(self)) if self.parents[i] == row]
+    def children(self, row: int) -> tuple[int, ...]:
+        """Its child rows, likeliest first."""
+        return self._children[row]
 
     def path(self, row: int) -> list[int]:
         """Rows from the anchor down to `row`."""
@@ -122,7 +138,7 @@ def _depth_first(anchor: int, ids: np.ndarray, nodes: list[tuple[int, int, int]]
     for n in range(1, len(nodes)):
         kids[nodes[n][0]].append(n)
     row_of: dict[int, int] = {}
-    tokens, parents, depths, ranks = [], [], [], []
+    tokens, parents, depths, ranks, probs = [], [], [], [], []
     stack = [0]
     while stack:
         n = stack.pop()
@@ -132,6 +148,7 @@ def _depth_first(anchor: int, ids: np.ndarray, nodes: list[tuple[int, int, int]]
         parents.append(-1 if parent < 0 else row_of[parent])
         depths.append(slot)
         ranks.append(rank)
+        probs.append(score[n])
         stack.extend(sorted(kids[n], key=lambda c: score[c]))  # the likeliest child is popped first
     has_child = [False] * len(tokens)
     for p in parents[1:]:
@@ -150,7 +167,7 @@ def _depth_first(anchor: int, ids: np.ndarray, nodes: list[tuple[int, int, int]]
         else:
             first[p], end[p] = min(first[p], first[i]), max(end[p], end[i])
     return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(ranks), leaves,
-                     tuple(zip(first, end)))
+                     tuple(zip(first, end)), tuple(probs))
 
 
 def walk_greedy(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], int]:
@@ -168,6 +185,36 @@ def walk_greedy(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[li
             return path, token
         path.append(nxt)
         row = nxt
+
+
+def walk_sampled(tree: DraftTree, probs: np.ndarray, rng: np.random.Generator) -> tuple[list[int], int]:
+    """(accepted path rows, next token) by multi-candidate rejection sampling; probs (rows, V): the target's
+    distribution after each row. The committed tokens are distributed exactly as sampling from the target.
+
+    At each row the children are tried in turn, each a point-mass proposal (the tree's candidates are chosen,
+    not drawn): child x is accepted with probability r(x), where r is the target's distribution with the
+    children rejected so far removed and renormalised; a rejected child's mass is removed. Then
+    P(x_i is taken) = r_0 (x_i) (the chance each earlier one was refused, times x_i's share of what remains):
+    the target's own probability, as SpecInfer's recursive residuals give with q a point mass. When every
+    child is refused, the next token is drawn from what remains.
+    """
+    row = 0
+    path = [0]
+    while True:
+        residual = np.asarray(probs[row], dtype=np.float64).copy()
+        mass = float(residual.sum())
+        for child in tree.children(row):
+            token = tree.tokens[child]
+            if rng.random() * mass < residual[token]:
+                path.append(child)
+                row = child
+                break
+            mass -= residual[token]
+            residual[token] = 0.0
+        else:
+            if residual.sum() <= 0.0:  # only rounding can empty it: every child held all the mass
+                residual = np.asarray(probs[row], dtype=np.float64)
+            return path, sample_token(residual, rng)
 
 
 class AcceptanceModel:
@@ -268,14 +315,6 @@ def candidates(logits: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(top, order, axis=1)
 
 
-def expected_tokens(tree: DraftTree, accept: np.ndarray) -> float:
-    """Tokens a verify of this tree is expected to commit, the bonus included: 1 + every node's path probability."""
-    prob = [1.0] * len(tree)
-    for i in range(1, len(tree)):
-        prob[i] = prob[tree.parents[i]] * float(accept[tree.depths[i] - 1, tree.ranks[i]])
-    return 1.0 + sum(prob[1:])
-
-
 def target_ranks(ids: np.ndarray, continuation: Sequence[int]) -> list[int]:
     """The rank of each target token among its slot's candidates (k where it is none of them)."""
     k = ids.shape[1]
@@ -301,8 +340,12 @@ class TreeShaper:
         self._shaped: tuple[int, np.ndarray, np.ndarray] | None = None  # (n_past, ids, q) of the last tree
         self._accepted: tuple[int, list[int]] | None = None  # (where its bonus is committed, accepted drafts)
 
-    def shape(self, anchor: int, n_past: int, logits: np.ndarray, budget: int | None = None) -> DraftTree:
-        """The tree after `anchor` at n_past from the drafter's logits (D, V) for slots 1..D."""
+    def shape(self, anchor: int, n_past: int, logits: np.ndarray, costs: "CostModel | None" = None) -> DraftTree:
+        """The tree after `anchor` at n_past from the drafter's logits (D, V) for slots 1..D.
+
+        costs: the measured verify costs; with them the rows are as many as pay best, up to the budget: the
+        expected tokens of each size (its likeliest nodes) over the cycle's time, the draft included.
+        """
         self.observe(n_past, [anchor])  # the anchor is the last tree's bonus
         rows = np.asarray(logits, dtype=np.float64)
         ids = candidates(rows, self.k)
@@ -310,7 +353,12 @@ class TreeShaper:
         log_norm = np.log(np.exp(z).sum(axis=1, keepdims=True))
         q = np.exp(np.take_along_axis(z, ids, axis=1) - log_norm)
         self._shaped, self._accepted = (n_past, ids, q), None
-        return build_tree(anchor, ids, self.acceptance.accept(q), self.budget if budget is None else budget)
+        accept = self.acceptance.accept(q)
+        tree = build_tree(anchor, ids, accept, self.budget)
+        if costs is None:
+            return tree
+        rows = best_rows(tree, costs.verify_s, costs.draft_s(len(q) + 1))
+        return tree if rows == len(tree) else build_tree(anchor, ids, accept, rows)
 
     def observe(self, start: int, tokens: Sequence[int]) -> None:
         """Tokens committed at start.. (the loop's Commit). The commit at the tree's anchor holds the accepted
@@ -323,6 +371,19 @@ class TreeShaper:
             self._accepted = (start + len(tokens), list(tokens[1:]))
         else:
             self._shaped = self._accepted = None
+
+
+def best_rows(tree: DraftTree, verify_s: Callable[[int], float], draft_s: float = 0.0) -> int:
+    """The number of rows (2..len(tree)) whose likeliest nodes commit the most tokens per second: best first,
+    the tree of n rows holds the n - 1 likeliest nodes of this one."""
+    probs = sorted(tree.probs[1:], reverse=True)
+    best, best_rate, expected = 2, 0.0, 1.0
+    for n, p in enumerate(probs, start=2):
+        expected += p
+        rate = expected / (draft_s + verify_s(n))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 def share_prefix(target: "Target", tree: DraftTree) -> None:

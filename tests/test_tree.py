@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import llama_cpp
 import numpy as np
 import pytest
 
+from chi_square import chi_square_p_value
 from dflash_gguf import Session
+from dflash_gguf.sampling import SamplingParams, adjusted_logits, probabilities
 from dflash_gguf.target import Target
 from dflash_gguf.tree import (
-    AcceptanceModel, CalibratedAcceptance, TreeShaper, build_tree, keep_path, share_prefix, target_ranks, walk_greedy,
+    AcceptanceModel, CalibratedAcceptance, TreeShaper, best_rows, build_tree, keep_path, share_prefix, target_ranks,
+    walk_greedy, walk_sampled,
 )
+
+ALPHA = 1e-3
 
 N_CTX = 512
 WORDS = (" the", " a", " it", " he")
@@ -55,6 +62,22 @@ def test_a_tree_of_top1_candidates_only_is_the_linear_block():
     assert tree.seq_ranges == ((0, 1),) * 16
 
 
+def test_the_rows_that_pay_follow_the_verify_cost_curve():
+    """Where a verify costs about the same at any size (a GPU) the whole tree pays; where it grows with the rows
+    (this CPU: 16 rows cost ~11.5 single steps) only its likeliest nodes do; the expected tokens decide between."""
+    ids = np.arange(60).reshape(15, 4)
+    tree = build_tree(1, ids, np.tile([0.5, 0.2, 0.1, 0.05], (15, 1)), 32)
+    assert abs(tree.expected_tokens - (1 + sum(tree.probs[1:]))) < 1e-12 and tree.probs[0] == 1.0
+    flat = lambda n: 1.0 + 1e-4 * n  # noqa: E731
+    steep = lambda n: 1.0 + 0.7 * (n - 1)  # noqa: E731
+    assert best_rows(tree, flat) == 32
+    rows = best_rows(tree, steep)
+    assert 2 <= rows < 8
+    top = sorted(tree.probs[1:], reverse=True)
+    rate = lambda n: (1 + sum(top[: n - 1])) / steep(n)  # noqa: E731
+    assert all(rate(rows) >= rate(n) for n in range(2, 33))
+
+
 def test_the_greedy_walk_follows_the_targets_tokens_down_the_tree():
     ids = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
     tree = build_tree(1, ids, np.tile([0.5, 0.3, 0.1], (3, 1)), 12)
@@ -64,6 +87,37 @@ def test_the_greedy_walk_follows_the_targets_tokens_down_the_tree():
     assert [tree.tokens[r] for r in path] == [1, 11, 20] and bonus == 99
     path, bonus = walk_greedy(tree, lambda row: 13)  # nothing matches: the anchor alone, the target's token
     assert path == [0] and bonus == 13
+
+
+def _row(key: tuple[int, ...], vocab: int) -> np.ndarray:
+    """A synthetic target's distribution after the tokens `key`: a function of them, as a model's is."""
+    return np.random.default_rng(list(key)).dirichlet(np.full(vocab, 0.7))
+
+
+@pytest.mark.parametrize("likely", [True, False], ids=["likely candidates", "unlikely candidates"])
+def test_sampled_walks_commit_the_targets_distribution(likely):
+    """Multi-candidate rejection: the first token follows the anchor row's p and, after a given first, the second
+    follows that child's row; whether the tree holds the likeliest tokens or the least likely (then the
+    residual after rejecting them does the work). χ² against the exact rows."""
+    vocab = 9
+    order = np.argsort(-_row((0,), vocab))
+    gen = np.random.default_rng(5)
+    ids = np.array([order[:4] if likely else order[-4:]] + [gen.permutation(vocab)[:4] for _ in range(2)])
+    tree = build_tree(0, ids, np.tile([0.5, 0.3, 0.15, 0.05], (3, 1)), 12)
+    probs = np.stack([_row(tuple(tree.tokens[r] for r in tree.path(i)), vocab) for i in range(len(tree))])
+    rng = np.random.default_rng(100)
+    first, second = [], {}
+    for _ in range(4000):
+        path, bonus = walk_sampled(tree, probs, rng)
+        chosen = [tree.tokens[r] for r in path[1:]] + [bonus]
+        first.append(chosen[0])
+        if len(chosen) > 1:
+            second.setdefault(path[1], []).append(chosen[1])
+    assert chi_square_p_value(first, probs[0]) > ALPHA
+    if likely:
+        child = max(second, key=lambda c: len(second[c]))  # the child row taken most often
+        assert len(second[child]) > 500
+        assert chi_square_p_value(second[child], probs[child]) > ALPHA
 
 
 def test_acceptance_models_learn_what_the_target_took():
@@ -206,6 +260,7 @@ def _tree_equals_plain(llama, prompts, max_tokens):
         for prompt in prompts:
             text, _ = s.render_chat([{"role": "user", "content": prompt}])
             tokens = s.tokenize(text, add_special=False)
+            s.reset()  # a reused chat-template prefix was decoded in other batches: a near tie may flip with it
             steps = list(s.stream_tokens(tokens, max_tokens=max_tokens, block_size=16))
             assert [t for st in steps for t in st.tokens] == _llama_greedy(llama, tokens, max_tokens), prompt
             trees = [st for st in steps if st.tree_nodes]
@@ -228,3 +283,37 @@ def test_greedy_tree_decoding_equals_plain_decoding_on_held_out_prompts(llama):
     prompts = [p.prompt for p in load_suite(categories=("math", "code", "chat"))]
     branches = _tree_equals_plain(llama, prompts, 96)
     assert sum(b > 0 for b in branches) > 10
+
+
+@pytest.mark.slow  # 300 sampled generations
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, min_p=0.02)],
+                         ids=["t=1", "t=0.7,top_k,min_p"])
+def test_sampled_tree_decoding_follows_the_target(reference, settings):
+    """The embedded pair with 16-row trees, sampling: the first token follows the target's row, and the third,
+    after the likeliest first two (drafted and verified in the same tree when they were accepted), its row."""
+    no_eog = {0: -float("inf"), 2: -float("inf"), 4: -float("inf")}  # every reply has its 3 tokens
+    settings = {**settings, "logit_bias": no_eog}
+    params = SamplingParams(**settings)
+
+    def exact(tokens):
+        reference.clear()
+        reference.decode(tokens, 0)
+        return probabilities(adjusted_logits(reference.output_logits()[-1:], params), params)[0]
+
+    runs, accepted_in_trees = [], 0
+    with Session(n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16, lookup=False) as s:
+        text, _ = s.render_chat([{"role": "user", "content": "Write a list of fruits."}])
+        prompt = s.tokenize(text, add_special=False)
+        for seed in range(300):
+            s.reset()
+            steps = list(s.stream_tokens(prompt, max_tokens=3, block_size=16, seed=seed, **settings))
+            runs.append([t for st in steps for t in st.tokens])
+            accepted_in_trees += sum(st.n_accepted for st in steps if st.tree_nodes)
+    assert all(len(r) == 3 for r in runs) and accepted_in_trees > 30
+    assert chi_square_p_value([r[0] for r in runs], exact(prompt)) > ALPHA
+    head = Counter(tuple(r[:2]) for r in runs).most_common(1)[0][0]
+    second = [r[1] for r in runs if r[0] == head[0]]  # the tree's first slot: an accepted child or the residual
+    assert chi_square_p_value(second, exact(prompt + [head[0]])) > ALPHA
+    third = [r[2] for r in runs if tuple(r[:2]) == head]
+    assert len(third) >= 60, (head, len(third))
+    assert chi_square_p_value(third, exact(prompt + list(head))) > ALPHA
