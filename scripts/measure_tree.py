@@ -9,6 +9,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
 
     python scripts/measure_tree.py collect --prompts ../shared/data/train_prompts.jsonl --out /tmp/tree_drafts.npz
     python scripts/measure_tree.py replay /tmp/tree_drafts.npz
+    python scripts/measure_tree.py project /tmp/tree_drafts.npz --curve scripts/verify_curves/batched_bench_llama7b_f16.json
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
 as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, build_tree, candidates, target_ranks, walk_greedy
+from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, best_rows, build_tree, candidates, target_ranks, walk_greedy
 
 def held_out(prompts_file: Path, per_category: int, skip: int) -> list:
     from dflash_gguf.bench.suite import builtin_suite_path
@@ -93,13 +94,19 @@ def collect(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
-def replay_shape(data, budget: int, scoring: str, k: int) -> dict[str, float]:
-    """Replay the loop with trees of `budget` rows (scoring 'linear': the top-1 block of that many rows)."""
+def replay_shape(data, budget: int, scoring: str, k: int, cost=None, draft_s: float = 0.0, adaptive: bool = False) -> dict:
+    """Replay the loop with trees of `budget` rows (scoring 'linear': the top-1 block of that many rows).
+
+    cost: seconds of a verify of n rows (a controller.CostTable); with it the replay also sums each cycle's
+    time, draft_s + cost(rows). adaptive: each cycle's rows are those that pay best under that cost
+    (tree.best_rows, as the runtime sizes adaptive trees), at most `budget`.
+    """
     meta = json.loads(str(data["meta"]))
     slots = data["ids0"].shape[1]
     model = AcceptanceModel(slots, k)
     calibrated = CalibratedAcceptance(slots)
     by_cat: dict[str, list[int]] = {}
+    seconds = rows = 0.0
     for i, m in enumerate(meta):
         seq, ids, logq = data[f"seq{i}"], data[f"ids{i}"][:, :, :k], data[f"logq{i}"][:, :, :k]
         pos, n = m["n_prompt"], m["n"]
@@ -115,6 +122,8 @@ def replay_shape(data, budget: int, scoring: str, k: int) -> dict[str, float]:
             else:
                 accept = model.table()
             tree = build_tree(int(seq[pos]), ids[pos], accept, budget)
+            if adaptive:
+                tree = build_tree(int(seq[pos]), ids[pos], accept, best_rows(tree, cost.seconds, draft_s))
             cont = seq[pos + 1 :]
             path, _ = walk_greedy(tree, lambda row: int(cont[tree.depths[row]]) if tree.depths[row] < len(cont) else -1)
             a = len(path) - 1
@@ -125,12 +134,18 @@ def replay_shape(data, budget: int, scoring: str, k: int) -> dict[str, float]:
             cycles += 1
             committed += step
             pos += step
+            rows += len(tree)
+            if cost is not None:
+                seconds += draft_s + cost.seconds(len(tree))
         c = by_cat.setdefault(m["category"], [0, 0])
         c[0] += cycles
         c[1] += committed
     cyc = sum(c[0] for c in by_cat.values())
     tok = sum(c[1] for c in by_cat.values())
-    return {"tau": tok / cyc, **{cat: c[1] / c[0] for cat, c in sorted(by_cat.items())}}
+    out = {"tau": tok / cyc, "rows": rows / cyc, **{cat: c[1] / c[0] for cat, c in sorted(by_cat.items())}}
+    if cost is not None:
+        out["speedup"] = (tok / seconds) * cost.seconds(1)  # against plain decoding, one row per token
+    return out
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -142,8 +157,31 @@ def replay(args: argparse.Namespace) -> None:
     print("| shape | verify rows | τ | " + " | ".join(c for c in sorted({m["category"] for m in meta})) + " |")
     for name, budget, sc in rows:
         r = replay_shape(data, budget, sc, args.k)
-        cats = " | ".join(f"{v:.2f}" for key, v in r.items() if key != "tau")
+        cats = " | ".join(f"{v:.2f}" for key, v in r.items() if key not in ("tau", "rows"))
         print(f"| {name} | {budget} | {r['tau']:.2f} | {cats} |", flush=True)
+
+
+def project(args: argparse.Namespace) -> None:
+    """Projected speedup over plain decoding under a verify cost curve read from a file: a projection from
+    this drafter's exact acceptances, not a measurement on that machine."""
+    from dflash_gguf.controller import CostTable
+
+    data = np.load(args.drafts)
+    curve = json.loads(args.curve.read_text())
+    cost = CostTable({int(n): float(t) for n, t in curve["seconds"].items()})
+    draft_s = args.draft_ratio * cost.seconds(1)
+    print(f"curve: {curve['label']} ({curve['source']}); draft pass = {args.draft_ratio} x a one-row step")
+    print("| shape | mean rows | τ | projected speedup |")
+    best = max((replay_shape(data, n, "linear", args.k, cost, draft_s) | {"n": n} for n in range(2, 17)),
+               key=lambda r: r["speedup"])
+    print(f"| linear block, best fixed length ({best['n']} rows) | {best['rows']:.1f} | {best['tau']:.2f} | "
+          f"{best['speedup']:.2f} |")
+    for budget in (16, 32, 64):
+        r = replay_shape(data, budget, "calibrated", args.k, cost, draft_s)
+        print(f"| tree, {budget} rows | {r['rows']:.1f} | {r['tau']:.2f} | {r['speedup']:.2f} |")
+    r = replay_shape(data, 64, "calibrated", args.k, cost, draft_s, adaptive=True)
+    print(f"| tree sized per cycle by the cost model (<= 64 rows) | {r['rows']:.1f} | {r['tau']:.2f} | "
+          f"{r['speedup']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -162,8 +200,13 @@ def main() -> None:
     r.add_argument("drafts", type=Path)
     r.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
     r.add_argument("--k", type=int, default=8)
+    j = sub.add_parser("project")
+    j.add_argument("drafts", type=Path)
+    j.add_argument("--curve", type=Path, required=True, help="JSON: label, source, seconds {rows: verify seconds}")
+    j.add_argument("--draft-ratio", type=float, default=0.0, help="a drafter pass, in one-row target steps")
+    j.add_argument("--k", type=int, default=8)
     args = ap.parse_args()
-    collect(args) if args.cmd == "collect" else replay(args)
+    {"collect": collect, "replay": replay, "project": project}[args.cmd](args)
 
 
 if __name__ == "__main__":
