@@ -326,7 +326,8 @@ def decode_steps(
         if constraint is not None:
             constraint.commit(chosen)
         # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
-        timing = CycleTiming(len(block) if tree is None else len(tree), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))
+        timing = CycleTiming(len(block) if tree is None else len(tree), t_save - t_draft, t_keep - t_verify,
+                             (t_verify - t_save) + (t_done - t_keep))
         policy.observe(choice, n_accepted, timing)
 
         drafted = by_name[choice.source].provenance if n_draft else None

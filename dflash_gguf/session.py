@@ -247,6 +247,7 @@ class Session:
         unusable = _no_speculation_reason(target, self.memory)
         if unusable is not None:
             self.speculative_disabled_reason = unusable
+            self.tree_disabled_reason = unusable if tree_nodes else None
             if drafter is not None or given:
                 warnings.warn(f"{unusable}: speculative decoding is off, every generation decodes plainly", stacklevel=3)
                 self._warned_plain = True  # said once, here
@@ -273,6 +274,8 @@ class Session:
             except ValueError:
                 self.drafter.close()
                 raise
+        elif tree_nodes:
+            self.tree_disabled_reason = "no drafter: a tree is shaped from a drafter's candidates"
 
     # -- generation ------------------------------------------------------------------------
     # Each method takes a GenerationConfig, or its fields by name (max_tokens=64, temperature=0.7, ...) applied
@@ -415,6 +418,7 @@ class Session:
                 device=self.placement.device,
                 drafter_device=None if self.drafter_placement is None else self.drafter_placement.device,
                 calibration_source=self.calibration_source,
+                tree_disabled_reason=self.tree_disabled_reason,
             )
             if cache_event is not None:
                 self.last_stats = replace(self.last_stats, prompt_cache=cache_event)

@@ -185,7 +185,7 @@ class NativeDrafterSource(DraftSource):
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
         self.finish()
-        if self.tree is not None:  # candidates chosen, not drawn: any sampling verifies them exactly (tree.walk_sampled)
+        if self.tree is not None:  # chosen, not drawn: any sampling verifies them exactly (tree.walk_sampled)
             costs = None if self.controller is None or not self.controller.adaptive else self.controller.costs
             tree = self.tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), costs)
             return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), point_mass=True, tree=tree)

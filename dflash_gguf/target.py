@@ -574,7 +574,9 @@ class Target(NativeResource):
         self._seq[:n, 0] = seq_ids
         self._submit(n, out, out_index, n_outputs)
 
-    def decode_tree(self, tokens: Sequence[int], positions: Sequence[int], seq_ranges: Sequence[tuple[int, int]]) -> None:
+    def decode_tree(
+        self, tokens: Sequence[int], positions: Sequence[int], seq_ranges: Sequence[tuple[int, int]]
+    ) -> None:
         """One llama_decode of a draft tree, logits for every row: row i carries sequence ids
         range(*seq_ranges[i]) (each root-to-leaf path is one sequence, a shared node carries all of its leaves').
 

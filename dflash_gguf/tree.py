@@ -35,7 +35,8 @@ class DraftTree:
 
     tokens/parents/depths/ranks: per row (parents[0] = -1; ranks[i]: the candidate rank of row i's token
     at its slot, -1 for the anchor). probs[i]: the chance row i's path is accepted (1 for the anchor), so a
-    verify of the tree is expected to commit 1 + sum(probs[1:]) tokens, the bonus included. leaves: the rows without children, in row order; the sequence id of
+    verify of the tree is expected to commit 1 + sum(probs[1:]) tokens, the bonus included.
+    leaves: the rows without children, in row order; the sequence id of
     leaf j is j. seq_ranges[i]: the leaf ids below row i, as (first, last + 1).
     """
 
@@ -110,7 +111,8 @@ def build_tree(anchor: int, ids: np.ndarray, accept: np.ndarray, budget: int) ->
     # a node: (parent node, slot, rank); node 0 is the anchor
     nodes: list[tuple[int, int, int]] = [(-1, 0, -1)]
     score: list[float] = [1.0]
-    heap: list[tuple[float, int, int, int]] = []  # (-path probability, tie order, parent node, rank) at slot depth(parent)+1
+    # (-path probability, tie order, parent node, rank): a candidate at slot depth(parent) + 1
+    heap: list[tuple[float, int, int, int]] = []
     order = 0
 
     def push(parent: int, rank: int) -> None:
@@ -243,7 +245,8 @@ class AcceptanceModel:
 
     def table(self) -> np.ndarray:
         """(n_slots, k) acceptance per slot and rank, as currently estimated."""
-        pooled = (self._hits.sum(axis=0) + self._prior_strength * self._prior) / (self._tried.sum() + self._prior_strength)
+        strength = self._prior_strength
+        pooled = (self._hits.sum(axis=0) + strength * self._prior) / (self._tried.sum() + strength)
         return (self._hits + self._pool_strength * pooled) / (self._tried[:, None] + self._pool_strength)
 
     def observe(self, target_ranks: Sequence[int]) -> None:

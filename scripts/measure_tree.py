@@ -10,6 +10,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
     python scripts/measure_tree.py collect --prompts ../shared/data/train_prompts.jsonl --out /tmp/tree_drafts.npz
     python scripts/measure_tree.py replay /tmp/tree_drafts.npz
     python scripts/measure_tree.py project /tmp/tree_drafts.npz --curve scripts/verify_curves/batched_bench_llama7b_f16.json
+    python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
 as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
 """
@@ -46,10 +47,16 @@ def collect(args: argparse.Namespace) -> None:
 
     k, slots = args.k, None
     records = []
-    with Session(n_ctx=2048, n_threads=args.threads, lookup=False) as s:
+    if args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts: never trained on either
+        from dflash_gguf.bench.suite import load_suite
+
+        prompts = load_suite(categories=("math", "code", "chat"), limit=args.per_category)
+    else:
+        prompts = held_out(args.prompts, args.per_category, args.skip)
+    with Session(n_ctx=2048, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, lookup=False) as s:
         target, drafter = s.target, s.drafter
         slots = drafter.max_draft
-        for n, p in enumerate(held_out(args.prompts, args.per_category, args.skip)):
+        for n, p in enumerate(prompts):
             text, _ = s.render_chat([{"role": "user", "content": p.prompt}])
             seq = s.tokenize(text, add_special=False)[: args.max_prompt]
             n_prompt = len(seq)
@@ -167,10 +174,10 @@ def project(args: argparse.Namespace) -> None:
     from dflash_gguf.controller import CostTable
 
     data = np.load(args.drafts)
-    curve = json.loads(args.curve.read_text())
-    cost = CostTable({int(n): float(t) for n, t in curve["seconds"].items()})
+    spec = json.loads(args.curve.read_text())
+    cost = CostTable({int(n): float(t) for n, t in spec["seconds"].items()})
     draft_s = args.draft_ratio * cost.seconds(1)
-    print(f"curve: {curve['label']} ({curve['source']}); draft pass = {args.draft_ratio} x a one-row step")
+    print(f"curve: {spec['label']} ({spec['source']}); draft pass = {args.draft_ratio} x a one-row step")
     print("| shape | mean rows | τ | projected speedup |")
     best = max((replay_shape(data, n, "linear", args.k, cost, draft_s) | {"n": n} for n in range(2, 17)),
                key=lambda r: r["speedup"])
@@ -184,12 +191,66 @@ def project(args: argparse.Namespace) -> None:
           f"{r['speedup']:.2f} |", flush=True)
 
 
+def curve(args: argparse.Namespace) -> None:
+    """Time one verify of n rows on this machine, a linear block and a tree of n rows (its verify, the prefix
+    shared and the kept path restored), after a 256-token prefix: the cost curve `project` reads."""
+    import platform
+    import statistics
+    import time
+
+    from dflash_gguf.defaults import embedded_target
+    from dflash_gguf.target import Target, system_info
+    from dflash_gguf.tree import keep_path, share_prefix
+
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= args.max_rows]
+    with Target.open(embedded_target(), n_ctx=1024, n_batch=256, n_seq_max=max(1, max(rows) - 1),
+                     kv_unified=True, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as t:
+        prefix = (t.tokenize("The quick brown fox jumps over the lazy dog. ") * 32)[:256]
+        t.decode(prefix[:-1], 0, logits=False)
+        n_past = len(prefix) - 1
+        words = [t.tokenize(w, add_special=False)[0] for w in (" the", " a", " it", " he", " we", " to", " of", " in")]
+        ids = np.array([words] * 15)
+
+        def median(step) -> float:
+            times = []
+            for _ in range(args.repeats + 1):  # the first run warms up
+                t0 = time.perf_counter()
+                step()
+                t.output_logits()
+                times.append(time.perf_counter() - t0)
+                t.remove(0, n_past)
+            return statistics.median(times[1:])
+
+        linear, tree_s = {}, {}
+        for n in rows:
+            block = [prefix[-1]] + words[:1] * (n - 1)
+            linear[n] = median(lambda: t.decode(block, n_past, logits=True))
+            tree = build_tree(prefix[-1], ids, np.tile([0.4, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01], (15, 1)), n)
+
+            def verify_tree(tree=tree):
+                share_prefix(t, tree)
+                t.decode_tree(tree.tokens, [n_past + d for d in tree.depths], tree.seq_ranges)
+                keep_path(t, tree, n_past, tree.path(tree.leaves[-1]))  # the dearer keep: a path off the chain
+
+            tree_s[n] = median(verify_tree)
+            print(f"{n} rows: linear {linear[n] * 1e3:.2f} ms, tree {tree_s[n] * 1e3:.2f} ms", flush=True)
+    out = {"label": f"the embedded target, measured on {platform.node()} (n_gpu_layers {args.n_gpu_layers})",
+           "source": f"scripts/measure_tree.py curve; {system_info()[:200]}",
+           "seconds": {str(n): tree_s[n] for n in rows}, "linear_seconds": {str(n): linear[n] for n in rows}}
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("collect")
     c.add_argument("--out", type=Path, required=True)
-    c.add_argument("--prompts", type=Path, required=True, help="train_prompts.jsonl, the embedded drafter's training prompts")
+    c.add_argument("--prompts", type=Path, help="train_prompts.jsonl, whose held-out split is used "
+                   "(default: the built-in benchmark suite, also held out from training)")
+    c.add_argument("--n-gpu-layers", type=int, default=0)
     c.add_argument("--per-category", type=int, default=8)
     c.add_argument("--skip", type=int, default=8, help="held-out prompts per category to pass over (the training's evaluation set)")
     c.add_argument("--max-tokens", type=int, default=128)
@@ -205,8 +266,14 @@ def main() -> None:
     j.add_argument("--curve", type=Path, required=True, help="JSON: label, source, seconds {rows: verify seconds}")
     j.add_argument("--draft-ratio", type=float, default=0.0, help="a drafter pass, in one-row target steps")
     j.add_argument("--k", type=int, default=8)
+    v = sub.add_parser("curve")
+    v.add_argument("--out", type=Path, required=True)
+    v.add_argument("--n-gpu-layers", type=int, default=0)
+    v.add_argument("--threads", type=int, default=None)
+    v.add_argument("--max-rows", type=int, default=64)
+    v.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    {"collect": collect, "replay": replay, "project": project}[args.cmd](args)
+    {"collect": collect, "replay": replay, "project": project, "curve": curve}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -266,6 +266,9 @@ def _tree_equals_plain(llama, prompts, max_tokens):
             trees = [st for st in steps if st.tree_nodes]
             assert trees and all(st.tree_nodes <= 16 and st.n_accepted <= st.n_drafted for st in trees)
             branches += [st.tree_branch for st in trees if st.n_accepted]
+            t = s.last_stats.tree
+            assert (t.cycles, t.nodes) == (len(trees), sum(st.tree_nodes for st in trees))
+            assert t.off_chain == sum(st.tree_branch > 0 for st in trees) and t.mean_depth <= s.last_stats.acceptance_length
     return branches
 
 
@@ -317,3 +320,15 @@ def test_sampled_tree_decoding_follows_the_target(reference, settings):
     third = [r[2] for r in runs if tuple(r[:2]) == head]
     assert len(third) >= 60, (head, len(third))
     assert chi_square_p_value(third, exact(prompt + list(head))) > ALPHA
+
+
+@pytest.mark.slow  # builds a tiny hybrid target
+def test_a_hybrid_target_verifies_linear_blocks_and_says_why(hybrid_models):
+    """A recurrent state cannot branch without a copy per path: the drafter drafts linear blocks there (the code
+    the hybrid suite checks against plain decoding), and the Session and its stats say why."""
+    target, drafter = hybrid_models.target("qwen35"), hybrid_models.drafter("qwen35", "dflash")
+    with Session(target, drafter, n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16) as s:
+        assert "recurrent state" in s.tree_disabled_reason
+        r = s.generate("The capital of France is", max_tokens=24, block_size=8)
+        assert r.stats.tree is None and r.stats.tree_disabled_reason == s.tree_disabled_reason
+        assert r.stats.n_drafted > 0
