@@ -11,6 +11,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
     python scripts/measure_tree.py replay /tmp/tree_drafts.npz
     python scripts/measure_tree.py project /tmp/tree_drafts.npz --curve scripts/verify_curves/batched_bench_llama7b_f16.json
     python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
+    python scripts/measure_tree.py live --prompts ../shared/data/train_prompts.jsonl   # τ through the Session
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
 as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
 """
@@ -243,6 +244,25 @@ def curve(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def live(args: argparse.Namespace) -> None:
+    """τ through the Session itself, a 16-row tree against the 16-token block, fixed shapes, greedy, on the
+    same held-out prompts: the loop's own figure next to the replay's."""
+    from dflash_gguf import Session
+
+    prompts = held_out(args.prompts, args.per_category, args.skip)
+    for nodes in (0, args.tree_nodes):
+        committed = cycles = identical = 0
+        with Session(n_ctx=2048, n_threads=args.threads, lookup=False, tree_nodes=nodes) as s:
+            for p in prompts:
+                s.reset()
+                r = s.chat([{"role": "user", "content": p.prompt}], max_tokens=args.max_tokens, block_size=16)
+                drafted = r.stats.cycles - r.stats.plain_cycles
+                committed += r.stats.n_accepted + drafted
+                cycles += drafted
+        name = "linear block 16" if nodes == 0 else f"tree of {nodes} rows"
+        print(f"{name}: τ {committed / cycles:.2f} over {cycles} cycles, {len(prompts)} prompts", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -266,6 +286,13 @@ def main() -> None:
     j.add_argument("--curve", type=Path, required=True, help="JSON: label, source, seconds {rows: verify seconds}")
     j.add_argument("--draft-ratio", type=float, default=0.0, help="a drafter pass, in one-row target steps")
     j.add_argument("--k", type=int, default=8)
+    lv = sub.add_parser("live")
+    lv.add_argument("--prompts", type=Path, required=True)
+    lv.add_argument("--per-category", type=int, default=3)
+    lv.add_argument("--skip", type=int, default=8)
+    lv.add_argument("--max-tokens", type=int, default=128)
+    lv.add_argument("--tree-nodes", type=int, default=16)
+    lv.add_argument("--threads", type=int, default=1)
     v = sub.add_parser("curve")
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--n-gpu-layers", type=int, default=0)
@@ -273,7 +300,7 @@ def main() -> None:
     v.add_argument("--max-rows", type=int, default=64)
     v.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    {"collect": collect, "replay": replay, "project": project, "curve": curve}[args.cmd](args)
+    {"collect": collect, "replay": replay, "project": project, "curve": curve, "live": live}[args.cmd](args)
 
 
 if __name__ == "__main__":
