@@ -22,7 +22,7 @@ from .prompt_cache import DEFAULT_DISK_BYTES, PromptCache, parse_size
 from .rpc import check_endpoints
 from .sampling import CHECKS as SAMPLING_CHECKS
 from .sampling import SamplingParams
-from .target import KV_TYPES, QUANTIZED_KV_TYPES
+from .target import KV_TYPES, LLAMA_MAX_SEQ, QUANTIZED_KV_TYPES
 
 __all__ = [
     "CacheOptions", "GenerationConfig", "KV_CACHE_SETTINGS", "PROMPT_CACHE_SETTINGS",
@@ -196,12 +196,19 @@ class SessionOptions:
                                            "rpc-servers lending their devices to the target's offloaded layers, "
                                            "host:port[,host:port...] (needs an RPC build: scripts/build_rpc.sh; "
                                            "the drafter stays local; default: none)", flags=("--rpc",), parse=str)
+    # a greedy cycle verifies a tree of the drafter's candidates instead of one block (issue 36)
+    tree_nodes: int = setting(0, integer(0, " (0 = linear blocks)"),
+                              "rows of each draft tree, the anchor included (0: linear blocks; 2..257, at most "
+                              "n_batch); the target's KV cache is then unified, one sequence per leaf", parse=int)
 
     def __post_init__(self) -> None:
         _check_fields(self)
         if self.rpc_servers and self.n_gpu_layers == 0:  # only offloaded layers go to a device, remote or not
             raise SettingError("rpc_servers", "needs n_gpu_layers -1 (all) or how many layers the devices take; "
                                "with 0 no layer reaches the RPC servers")
+        if self.tree_nodes and not 2 <= self.tree_nodes <= min(self.n_batch, LLAMA_MAX_SEQ + 1):
+            raise SettingError("tree_nodes", f"must be 0 or in [2, {min(self.n_batch, LLAMA_MAX_SEQ + 1)}] "
+                               f"(n_batch, and one sequence per leaf), got {self.tree_nodes}")
         if not self.flash_attn:  # libllama reads a V cache transposed without it, which quantized blocks cannot be
             for name in ("type_v", "type_v_draft"):
                 if getattr(self, name) in QUANTIZED_KV_TYPES:

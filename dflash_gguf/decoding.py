@@ -24,6 +24,7 @@ from .sampling import SamplingParams, adjusted_logits, greedy_tokens, probabilit
 from .sources import Candidate, Commit, DraftSource, Offer
 from .steps import Step, StepKind, TokenLogprob, TokenSource
 from .target import Target
+from .tree import keep_path, share_prefix, walk_greedy, walk_sampled
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -196,6 +197,9 @@ def decode_steps(
     committed = cache.tokens  # read, never copied: the loop changes it only through `cache`
     n_prompt = len(prompt)
     n_logprobs = config.logprobs
+    # a tree's rows are judged one path each: no grammar (its matcher follows one path), no penalties (their
+    # windows are one path's); else its first path is verified, as a linear block
+    trees = constraint is None and not params.penalizes and memory.keeps_trees and target.kv_unified
 
     def choose_from(raw: np.ndarray, block: Sequence[int]) -> np.ndarray:
         """The verify rows to choose from: masked by the constraint, then biased and penalised per row.
@@ -215,12 +219,14 @@ def decode_steps(
     cache.truncate(keep, sources)
     cache.reused = keep
 
-    def commit(start: int, tokens: Sequence[int]) -> None:
+    def commit(start: int, tokens: Sequence[int], at: Sequence[int] | None = None) -> None:
+        """at: the last decode's rows the tokens were (a tree's path); None: its first len(tokens) rows."""
         cache.commit(tokens)
         if active:
             rows = len(tokens)
-            c = Commit(start, tokens, (lambda into: target.append_features(into, rows)) if features else None,
-                       sequence=committed)
+            read = (lambda into: target.append_features(into, rows)) if at is None else (
+                lambda into: target.append_feature_rows(into, at))
+            c = Commit(start, tokens, read if features else None, sequence=committed)
             for s in active:
                 s.observe(c)
 
@@ -273,6 +279,10 @@ def decode_steps(
         t_draft = time.perf_counter()
         if n_draft:
             candidate = by_name[choice.source].propose(last, n_past, n_draft, params, rng)
+        tree = None if candidate is None else candidate.tree
+        if tree is not None and (not trees or tree.is_path or len(tree.leaves) > target.n_seq_max):
+            tree = None  # verified as its first path, the linear block
+        if candidate is not None and tree is None:
             n_verify = policy.verify_length(candidate)
             if n_verify < n_draft:  # the proposal's confidences say the rest would fail: verify fewer
                 choice = _shorten(choice, n_verify, f"; confidence cut to {n_verify}")
@@ -287,23 +297,41 @@ def decode_steps(
                 n_draft = n_ok
                 candidate = candidate.head(n_draft) if n_draft else None
         block = [last] + ([] if candidate is None else candidate.tokens.tolist())
+        path: list[int] | None = None  # a tree's accepted rows, anchor first
         t_save = time.perf_counter()
-        memory.before_verify(n_past, len(block))
-        t_verify = time.perf_counter()
-        target.decode(block, n_past, logits=True)
-        raw = target.output_logits()
-        n_accepted, bonus = _verify(choose_from(raw, block), candidate, params, rng)
+        if tree is None:
+            memory.before_verify(n_past, len(block))
+            t_verify = time.perf_counter()
+            target.decode(block, n_past, logits=True)
+            raw = target.output_logits()
+            n_accepted, bonus = _verify(choose_from(raw, block), candidate, params, rng)
+        else:
+            share_prefix(target, tree)
+            t_verify = time.perf_counter()
+            target.decode_tree(tree.tokens, [n_past + d for d in tree.depths], tree.seq_ranges)
+            raw = target.output_logits()
+            if params.greedy:
+                argmax = greedy_tokens(choose_from(raw, ()))
+                path, bonus = walk_greedy(tree, lambda row: int(argmax[row]))
+            else:
+                path, bonus = walk_sampled(tree, probabilities(choose_from(raw, ()), params), rng)
+            block = [tree.tokens[row] for row in path]
+            n_accepted = len(path) - 1
         chosen = block[1 : n_accepted + 1] + [bonus]
-        chosen_logprobs = logprobs_of(raw, chosen)
+        chosen_logprobs = logprobs_of(raw if path is None else raw[path], chosen)
         t_keep = time.perf_counter()
-        memory.keep(n_past, block, n_accepted + 1)
+        if tree is None:
+            memory.keep(n_past, block, n_accepted + 1)
+        else:
+            keep_path(target, tree, n_past, path)
         t_done = time.perf_counter()
 
-        commit(n_past, block[: n_accepted + 1])
+        commit(n_past, block[: n_accepted + 1], path)
         if constraint is not None:
             constraint.commit(chosen)
         # a rollback costs what the memory saved before the verify and what keeping the accepted rows took
-        timing = CycleTiming(len(block), t_save - t_draft, t_keep - t_verify, (t_verify - t_save) + (t_done - t_keep))
+        timing = CycleTiming(len(block) if tree is None else len(tree), t_save - t_draft, t_keep - t_verify,
+                             (t_verify - t_save) + (t_done - t_keep))
         policy.observe(choice, n_accepted, timing)
 
         drafted = by_name[choice.source].provenance if n_draft else None
@@ -319,10 +347,12 @@ def decode_steps(
         yield Step(
             kind=choice.kind if n_draft else StepKind.PLAIN,
             source=choice.source if n_draft else None,
-            n_drafted=n_draft,
+            n_drafted=n_draft if tree is None else tree.max_depth,
             n_accepted=n_accepted,
             bonus_token=bonus,
-            block_size=len(block),
+            block_size=timing.block_tokens,
+            tree_nodes=0 if tree is None else len(tree),
+            tree_branch=0 if tree is None else tree.seq_ranges[path[-1]][0],
             reason=choice.reason,
             draft_s=timing.draft_s,
             verify_s=timing.verify_s,

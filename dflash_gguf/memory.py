@@ -81,6 +81,7 @@ class TargetMemory(ABC):
     reason: str | None = None  # why it cannot roll back, for Session.speculative_disabled_reason
     max_verify: int | None = None  # longest verify batch it can roll back; None = any
     extra_bytes: int = 0  # memory the mechanism costs beyond a plain context
+    keeps_trees: bool = False  # whether a draft tree's verify can be rolled back to its accepted path
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -117,6 +118,7 @@ class KVTruncation(TargetMemory):
     """Attention-only memory: dropping the rejected positions is exact and nearly free."""
 
     name = "kv"
+    keeps_trees = True  # each path a sequence of a unified cache: dropping the others is a seq_rm (tree.keep_path)
 
     def truncate(self, n: int) -> int:
         self.target.remove(0, n)

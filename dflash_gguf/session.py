@@ -28,6 +28,7 @@ from .mtp import MTPSource, mtp_unusable_reason
 from .memory import TargetMemory, memory_for, rs_seq_for
 from .prompt_cache import CacheEvent, PromptCache, Snapshot, context_id, file_identity
 from .sources import Commit, DraftSource, NativeDrafterSource
+from .tree import TreeShaper, tree_unusable
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
@@ -146,11 +147,13 @@ class Session:
             type_v=o.type_v,
             load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
             rpc_servers=o.rpc_servers,
+            n_seq_max=max(1, o.tree_nodes - 1),  # a tree of n rows has at most n - 1 leaves
+            kv_unified=o.tree_nodes > 0,
         )
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
                          n_gpu_layers_draft=o.n_gpu_layers_draft, prompt_cache=prompt_cache,
-                         draft_kv=(o.type_k_draft, o.type_v_draft))
+                         draft_kv=(o.type_k_draft, o.type_v_draft), tree_nodes=o.tree_nodes)
         except BaseException:
             tgt.close()
             raise
@@ -195,7 +198,7 @@ class Session:
                 raise
         other = Session.__new__(Session)
         other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None,
-                      prompt_cache=self._prompt_cache)
+                      prompt_cache=self._prompt_cache, tree_nodes=self._tree_nodes)
         other._context = self._context  # the same files and settings: the same prompt-cache context
         other._llama = None
         return other
@@ -212,8 +215,11 @@ class Session:
         n_gpu_layers_draft: int | None = None,
         prompt_cache: PromptCache | None = None,
         draft_kv: tuple[str | None, str | None] = (None, None),
+        tree_nodes: int = 0,
     ) -> None:
         given = _check_sources(sources)
+        self._tree_nodes = tree_nodes
+        self.tree_disabled_reason: str | None = None  # why tree_nodes was asked for but cycles verify blocks
         self._prompt_cache = prompt_cache
         self._context: str | None = None  # the prompt-cache context id, computed on first use
         self._prompt_snapshot: tuple[Snapshot, float] | None = None  # captured by this generation's prefill, and ms
@@ -240,6 +246,7 @@ class Session:
         unusable = _no_speculation_reason(target, self.memory)
         if unusable is not None:
             self.speculative_disabled_reason = unusable
+            self.tree_disabled_reason = unusable if tree_nodes else None
             if drafter is not None or given:
                 warnings.warn(f"{unusable}: speculative decoding is off, every generation decodes plainly", stacklevel=3)
                 self._warned_plain = True  # said once, here
@@ -260,11 +267,17 @@ class Session:
                 type_k=draft_kv[0], type_v=draft_kv[1])
             self._native_source = NativeDrafterSource(self.drafter)
             self._sources.append(self._native_source)
+            if tree_nodes:
+                self.tree_disabled_reason = tree_unusable(target, self.memory, self.drafter)
+                if self.tree_disabled_reason is None:
+                    self._native_source.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
             try:
                 _check_names(s.name for s in self._sources)
             except ValueError:
                 self.drafter.close()
                 raise
+        elif tree_nodes:
+            self.tree_disabled_reason = "no drafter: a tree is shaped from a drafter's candidates"
 
     # -- generation ------------------------------------------------------------------------
     # Each method takes a GenerationConfig, or its fields by name (max_tokens=64, temperature=0.7, ...) applied
@@ -403,6 +416,7 @@ class Session:
                 device=self.placement.device,
                 drafter_device=None if self.drafter_placement is None else self.drafter_placement.device,
                 calibration_source=self.calibration_source,
+                tree_disabled_reason=self.tree_disabled_reason,
             )
             if cache_event is not None:
                 self.last_stats = replace(self.last_stats, prompt_cache=cache_event)

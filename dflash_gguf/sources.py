@@ -21,6 +21,7 @@ from .target import FeatureRows
 
 if TYPE_CHECKING:
     from .controller import BlockController
+    from .tree import DraftTree, TreeShaper
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class Candidate:
     q: None for greedy or point-mass drafts; dense (n, V), or sparse (n, k) over q_ids (n, k).
     point_mass: the tokens were chosen deterministically (lookup): with sampling, each is accepted
     with the target's own probability of it. confidences: predicted P(accepted) per slot, if known.
+    tree: the drafts as a tree (tree.DraftTree, the anchor its row 0) to verify in one batch; `tokens`
+    are then its first path, the linear block the loop verifies where a tree cannot be.
     """
 
     source: str
@@ -38,6 +41,7 @@ class Candidate:
     q_ids: np.ndarray | None = None
     confidences: np.ndarray | None = None
     point_mass: bool = False
+    tree: "DraftTree | None" = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -146,6 +150,7 @@ class NativeDrafterSource(DraftSource):
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
         self.controller: BlockController | None = None
+        self.tree: TreeShaper | None = None  # set: its cycles propose a tree of its budget (DFlash drafters)
         self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
@@ -180,10 +185,16 @@ class NativeDrafterSource(DraftSource):
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
         self.finish()
+        if self.tree is not None:  # chosen, not drawn: any sampling verifies them exactly (tree.walk_sampled)
+            costs = None if self.controller is None or not self.controller.adaptive else self.controller.costs
+            tree = self.tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), costs)
+            return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), point_mass=True, tree=tree)
         p = self.drafter.propose(last, n_past, n_draft, params, rng)
         return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
 
     def observe(self, commit: Commit) -> None:
+        if self.tree is not None:  # what the target took of the last tree: its shaper learns from it
+            self.tree.observe(commit.start, commit.tokens)
         if commit.start != self._n + len(self._pending):
             raise RuntimeError(f"drafter features out of order: commit at {commit.start}, drafter at {self._n}")
         commit.features(self._pending)

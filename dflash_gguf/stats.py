@@ -95,6 +95,24 @@ class SourceStats:
 
 
 @dataclass(frozen=True)
+class TreeStats:
+    """The cycles that verified a draft tree (issue 36): rows verified, depth accepted, branches won."""
+
+    cycles: int = 0
+    nodes: int = 0  # rows verified in those cycles, anchors included
+    accepted: int = 0  # drafts accepted: the depth each accepted path reached, summed
+    off_chain: int = 0  # cycles whose accepted path left the likeliest chain (a linear block would have stopped)
+
+    @property
+    def mean_nodes(self) -> float | None:
+        return self.nodes / self.cycles if self.cycles else None
+
+    @property
+    def mean_depth(self) -> float | None:
+        return self.accepted / self.cycles if self.cycles else None
+
+
+@dataclass(frozen=True)
 class GenerationStats:
     """How a generation went."""
 
@@ -132,6 +150,8 @@ class GenerationStats:
     drafter_device: str | None = None  # the drafter's, which n_gpu_layers_draft may make another; None without one
     calibration_source: str | None = None  # the cost model: 'saved' (reused from disk), 'measured', None (not needed)
     prompt_cache: CacheEvent | None = None  # what the prompt cache restored and stored (None: no cache)
+    tree: TreeStats | None = None  # the cycles that verified trees; None: no tree was verified
+    tree_disabled_reason: str | None = None  # why trees were asked for (tree_nodes) but blocks were verified
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -162,6 +182,7 @@ class StatsBuilder:
         self.conf_slots = 0
         self.conf_sum = 0.0
         self.conf_accepted = 0
+        self.tree = [0, 0, 0, 0]  # TreeStats' fields
 
     def add(self, step: Step) -> None:
         self.n_tokens += len(step.tokens)
@@ -187,6 +208,12 @@ class StatsBuilder:
             self.plain_loop_s += step.cycle_s
         _grow(self.histogram, step.n_drafted + 1)
         self.histogram[step.n_accepted] += 1
+        if step.tree_nodes:
+            t = self.tree
+            t[0] += 1
+            t[1] += step.tree_nodes
+            t[2] += step.n_accepted
+            t[3] += step.tree_branch > 0
         if step.kind in DRAFTED_KINDS:
             _grow(self.slot_drafted, step.n_drafted)
             _grow(self.slot_accepted, step.n_drafted)
@@ -259,6 +286,7 @@ class StatsBuilder:
         device: str | None = None,
         drafter_device: str | None = None,
         calibration_source: str | None = None,
+        tree_disabled_reason: str | None = None,
     ) -> GenerationStats:
         decode_s = max(wall_s - self.prefill_s, 1e-9)
         baseline = self.in_reply_plain_tokens_per_s
@@ -296,6 +324,8 @@ class StatsBuilder:
             device=device,
             drafter_device=drafter_device,
             calibration_source=calibration_source,
+            tree=TreeStats(*self.tree) if self.tree[0] else None,
+            tree_disabled_reason=tree_disabled_reason,
         )
 
 

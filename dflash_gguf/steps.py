@@ -58,6 +58,8 @@ class Step:
     n_accepted: int = 0
     bonus_token: int | None = None
     block_size: int = 0  # tokens the target decoded this cycle (last committed + drafts); 0 if none
+    tree_nodes: int = 0  # rows of the draft tree this cycle verified (anchor included); 0: a linear block or none
+    tree_branch: int = 0  # which of the tree's paths was accepted (its leaf's number; 0: the likeliest chain)
     reason: str = ""  # for display only
     draft_s: float = 0.0
     verify_s: float = 0.0  # PREFILL: the prefill time

@@ -110,8 +110,12 @@ def new_context(
     type_k: str = "f16",
     type_v: str = "f16",
     ctx_type: int = capi.LLAMA_CONTEXT_TYPE_DEFAULT,
+    kv_unified: bool = False,
 ) -> capi.llama_context_p:
     """llama_init_from_model with validated sizes; n_ubatch = n_batch so one decode is one graph.
+
+    kv_unified: one KV buffer for all n_seq_max sequences, each of them n_ctx long; a token may then carry
+    several sequence ids (a draft tree's shared nodes), which a split cache refuses.
 
     flash_attn defaults to off, as in llama_cpp.Llama: the same kernels give the same greedy tokens.
     type_k / type_v: the KV cache's element type (KV_TYPES); a quantized V cache needs flash attention.
@@ -145,6 +149,7 @@ def new_context(
     params.type_k = KV_TYPES[type_k]
     params.type_v = KV_TYPES[type_v]
     params.ctx_type = ctx_type  # LLAMA_CONTEXT_TYPE_MTP: a context that runs the model's MTP heads (mtp.py)
+    params.kv_unified = bool(kv_unified)
     ctx = capi.llama_init_from_model(model, params)
     if not ctx:
         kv = "" if (type_k, type_v) == ("f16", "f16") else (
@@ -377,6 +382,7 @@ class Target(NativeResource):
         type_k: str = "f16",
         type_v: str = "f16",
         mtp_loaded: bool = False,
+        kv_unified: bool = False,
     ) -> None:
         if not model or not ctx:
             raise ValueError("Target needs a loaded llama model and context")
@@ -384,6 +390,7 @@ class Target(NativeResource):
         self.n_gpu_layers = n_gpu_layers
         self.flash_attn = flash_attn
         self.type_k, self.type_v = type_k, type_v  # KV cache element types (KV_TYPES names)
+        self.kv_unified = kv_unified  # one KV buffer shared by every sequence: a token may carry several ids
         self._model = model
         self._ctx = ctx
         self._owned = owned  # the context is ours to free
@@ -423,7 +430,8 @@ class Target(NativeResource):
         self._tok = np.zeros(n, dtype=np.int32)
         self._pos = np.zeros(n, dtype=np.int32)
         self._nseq = np.ones(n, dtype=np.int32)
-        self._seq = np.zeros((n, 1), dtype=np.int32)
+        width = self.n_seq_max if self.kv_unified else 1  # ids a token may carry (decode_tree)
+        self._seq = np.zeros((n, width), dtype=np.int32)
         self._out = np.zeros(n, dtype=np.int8)
         self._arange = np.arange(n, dtype=np.int32)
         self._last_only = np.zeros(n, dtype=np.int8)  # [-k:]: logits for the last of k tokens
@@ -432,7 +440,7 @@ class Target(NativeResource):
         self._last_index[-1] = 0
         seq_ptr_t = ctypes.POINTER(capi.llama_seq_id)
         base = self._seq.ctypes.data
-        self._seq_ptrs = (seq_ptr_t * n)(*[ctypes.cast(base + 4 * i, seq_ptr_t) for i in range(n)])
+        self._seq_ptrs = (seq_ptr_t * n)(*[ctypes.cast(base + 4 * width * i, seq_ptr_t) for i in range(n)])
         b = capi.llama_batch()
         b.token = self._tok.ctypes.data_as(ctypes.POINTER(capi.llama_token))
         b.embd = ctypes.POINTER(ctypes.c_float)()
@@ -459,6 +467,7 @@ class Target(NativeResource):
         type_v: str = "f16",
         load_mtp: bool = False,
         rpc_servers: Sequence[str] = (),
+        kv_unified: bool = False,
     ) -> "Target":
         """Load a GGUF and create its context; the Target owns both.
 
@@ -477,13 +486,13 @@ class Target(NativeResource):
         try:
             ctx = new_context(
                 model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_threads=n_threads, flash_attn=flash_attn,
-                n_rs_seq=n_rs_seq, type_k=type_k, type_v=type_v,
+                n_rs_seq=n_rs_seq, type_k=type_k, type_v=type_v, kv_unified=kv_unified,
             )
         except BaseException:
             capi.llama_model_free(model)
             raise
         return cls(model, ctx, owned=True, path=path, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                   type_k=type_k, type_v=type_v, mtp_loaded=load_mtp)
+                   type_k=type_k, type_v=type_v, mtp_loaded=load_mtp, kv_unified=kv_unified)
 
     @classmethod
     def from_llama(cls, llama: llama_cpp.Llama) -> "Target":
@@ -500,6 +509,7 @@ class Target(NativeResource):
             type_k=names.get(params.type_k, f"ggml type {params.type_k}"),
             type_v=names.get(params.type_v, f"ggml type {params.type_v}"),
             mtp_loaded=bool(llama.model_params.load_mtp),
+            kv_unified=bool(params.kv_unified),
         )
 
     # -- raw handles for the drafter (same package, same C boundary) -------------------------
@@ -588,6 +598,48 @@ class Target(NativeResource):
         self._tok[:n] = tokens
         self._pos[:n] = pos
         self._seq[:n, 0] = seq_ids
+        self._submit(n, out, out_index, n_outputs)
+
+    def decode_tree(
+        self, tokens: Sequence[int], positions: Sequence[int], seq_ranges: Sequence[tuple[int, int]]
+    ) -> None:
+        """One llama_decode of a draft tree, logits for every row: row i carries sequence ids
+        range(*seq_ranges[i]) (each root-to-leaf path is one sequence, a shared node carries all of its leaves').
+
+        libllama's rules are checked here first: a token with several ids needs a unified KV cache, and each
+        sequence's rows must come in rising positions that follow what that sequence holds (the caller copied
+        the committed prefix to every sequence) and never leave a set of ids once they narrowed it.
+        """
+        if self._ctx is None:
+            raise self._closed_error()
+        tok, pos, _ = self._check_batch(tokens, positions, 0)
+        n = len(tok)
+        if len(seq_ranges) != n:
+            raise ValueError(f"{len(seq_ranges)} sequence ranges for {n} tokens")
+        for i, (first, end) in enumerate(seq_ranges):
+            if end - first > 1 and not self.kv_unified:
+                raise ValueError(f"row {i} carries {end - first} sequence ids: a shared node needs a Target opened "
+                                 "with kv_unified=True")
+            if not 0 <= first < end <= self.n_seq_max:
+                raise ValueError(f"row {i}: sequence ids [{first}, {end}) outside [0, {self.n_seq_max})")
+        last: dict[int, tuple[int, tuple[int, int]]] = {}  # sequence -> (position, range) of its last row so far
+        for i, r in enumerate(seq_ranges):
+            for s in range(*r):
+                if s in last and not (pos[i] == last[s][0] + 1 and last[s][1][0] <= r[0] and r[1] <= last[s][1][1]):
+                    raise ValueError(f"row {i}: sequence {s} does not continue its path (position {pos[i]})")
+                last[s] = (int(pos[i]), r)
+        self._tok[:n] = tok
+        self._pos[:n] = pos
+        for i, (first, end) in enumerate(seq_ranges):
+            self._nseq[i] = end - first
+            self._seq[i, : end - first] = np.arange(first, end, dtype=np.int32)
+        try:
+            self._submit(n, 1, self._arange[:n], n)
+        finally:
+            self._nseq[:n] = 1  # the loop's own decode sets one id per token and leaves the counts alone
+
+    def _submit(self, n: int, out: np.ndarray | int, out_index: np.ndarray | int, n_outputs: int) -> None:
+        """llama_decode of the n tokens already written to the batch buffers."""
         self._out[:n] = out
         self._batch.n_tokens = n
         self._features_ready = False
@@ -733,6 +785,16 @@ class Target(NativeResource):
             ctypes.memmove(dst + k * n_tokens * row_bytes, self._layer_input(lid) + offset * row_bytes, n_tokens * row_bytes)
         rows.extend(by_layer.transpose(1, 0, 2).reshape(n_tokens, n_layers * self.n_embd))
 
+    def append_feature_rows(self, rows: "FeatureRows", indices: Sequence[int]) -> None:
+        """Append the features of these batch rows of the last decode, in that order (a draft tree's path)."""
+        i = 0
+        while i < len(indices):  # runs of consecutive rows go in one call
+            j = i + 1
+            while j < len(indices) and indices[j] == indices[j - 1] + 1:
+                j += 1
+            self.append_features(rows, j - i, int(indices[i]))
+            i = j
+
     def _layer_input(self, lid: int) -> int:
         address = llama_ext.get_embeddings_layer_inp(self._ctx, lid)
         if not address:
@@ -792,6 +854,15 @@ class Target(NativeResource):
             raise ValueError(f"seq_id must be in [-1, {self.n_seq_max}), got {seq_id}")
         if not capi.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
             raise RuntimeError(f"llama_memory_seq_rm(seq={seq_id}, [{p0}, {p1})) failed")
+
+    def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make positions [p0, p1) of sequence src part of sequence dst too (in a unified cache: the same cells)."""
+        if self._ctx is None:
+            raise self._closed_error()
+        for name, s in (("src", src), ("dst", dst)):
+            if not 0 <= s < self.n_seq_max:
+                raise ValueError(f"{name} must be in [0, {self.n_seq_max}), got {s}")
+        capi.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def pos_max(self, seq_id: int = 0) -> int:
         """Largest cached position of a sequence, -1 when empty."""
@@ -928,6 +999,7 @@ class Target(NativeResource):
                 n_rs_seq=self.n_rs_seq,
                 type_k=self.type_k,
                 type_v=self.type_v,
+                kv_unified=self.kv_unified,
             )
         except BaseException:
             shared.release()
@@ -936,6 +1008,7 @@ class Target(NativeResource):
             self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
             flash_attn=self.flash_attn, shared=shared, type_k=self.type_k, type_v=self.type_v,
             mtp_loaded=self.n_mtp_heads > 0,
+            kv_unified=self.kv_unified,
         )
 
     def set_threads(self, n_threads: int) -> None:

@@ -140,15 +140,28 @@ if [ "$skip_bench" = 0 ]; then
     fi
 fi
 
+# 4b. draft trees (issue 36): this device's verify cost of a linear block and of a tree of n rows, and the
+# speedup the embedded pair's exact acceptances on the built-in prompts project under that curve
+tree_status=null
+if [ "$skip_bench" = 0 ]; then
+    tree_status=0
+    mkdir -p "$work/tree"
+    { "$py" scripts/measure_tree.py curve --n-gpu-layers "$ngl" --out "$work/tree/verify_curve.json" &&
+      "$py" scripts/measure_tree.py collect --n-gpu-layers "$ngl" --per-category 3 --max-tokens "$max_tokens" \
+          --out "$work/tree/drafts.npz" &&
+      "$py" scripts/measure_tree.py project "$work/tree/drafts.npz" --curve "$work/tree/verify_curve.json" \
+          | tee "$work/tree/projection.md"; } || tree_status=$?
+fi
+
 # 5. one JSON: the build, the devices, the tier's counts and failures, each benchmark's summary
 "$py" - "$out" "$backend" "$cmake_args" "$build_s" "$tier_status" "$tier_s" "$work" "$embedded_status" "$hybrid_status" \
-    "$hybrid_target" "$hybrid_drafter" ${selection[@]+"${selection[@]}"} <<'EOF'
+    "$hybrid_target" "$hybrid_drafter" "$tree_status" ${selection[@]+"${selection[@]}"} <<'EOF'
 import json, os, platform, shutil, subprocess, sys, tempfile, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-out, backend, cmake_args, build_s, tier_status, tier_s, work, emb, hyb, hyb_target, hyb_drafter = sys.argv[1:12]
-selection = sys.argv[12:]
+out, backend, cmake_args, build_s, tier_status, tier_s, work, emb, hyb, hyb_target, hyb_drafter, trees = sys.argv[1:13]
+selection = sys.argv[13:]
 num = lambda s: None if s == "null" else int(s)
 from dflash_gguf.backends import build, gpu_devices
 
@@ -199,6 +212,12 @@ report = {
     "bench": {"embedded": bench("embedded", emb),
               "hybrid_qwen35": {"target": hyb_target or None, "drafter": hyb_drafter or None,
                                 **(bench("hybrid-qwen35", hyb) or {})}},
+    "trees": None if trees == "null" else {
+        "exit_status": num(trees),
+        "verify_curve": json.loads(Path(work, "tree", "verify_curve.json").read_text())
+        if Path(work, "tree", "verify_curve.json").is_file() else None,
+        "projection": Path(work, "tree", "projection.md").read_text()
+        if Path(work, "tree", "projection.md").is_file() else None},
 }
 fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)), prefix=".gpu-check.", suffix=".tmp")
 with os.fdopen(fd, "w") as f:
@@ -208,5 +227,5 @@ print(f"gpu_check: results in {out}")
 EOF
 ok=1
 [ "$tier_status" = null ] || [ "$tier_status" = 0 ] || ok=0
-for s in "$embedded_status" "$hybrid_status"; do [ "$s" = null ] || [ "$s" = 0 ] || ok=0; done
+for s in "$embedded_status" "$hybrid_status" "$tree_status"; do [ "$s" = null ] || [ "$s" = 0 ] || ok=0; done
 [ "$ok" = 1 ]
