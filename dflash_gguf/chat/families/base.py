@@ -100,11 +100,15 @@ class Family:
         to are appended to `extra`."""
         raise NotImplementedError
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
-        """Lark for the reply: free text, or calls, the first opened by the opener (lazily unless forced)."""
+    def call_rules(self, tools: Sequence[Mapping[str, Any]]) -> tuple[list[str], str]:
+        """One rule per tool's call (c0, c1, ...) with the rules they refer to, and the rule of any one call."""
         extra: list[str] = []
         rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
-        call = "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
+        return rules, "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
+        """Lark for the reply: free text, or calls, the first opened by the opener (lazily unless forced)."""
+        rules, call = self.call_rules(tools)
         opener = lit(self.opener)
         if forced:
             first = f"{WS} {opener} {call}"

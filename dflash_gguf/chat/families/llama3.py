@@ -28,9 +28,7 @@ class Llama3(Family):
         return f"{lit(head)} {tool_json_rule(tool['parameters'])} \"}}\""
 
     def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
-        extra: list[str] = []
-        rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
-        call = "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
+        rules, call = self.call_rules(tools)
         # a call is the whole reply: it is one as soon as its first non-blank character is "{"
         start = f"{WS} {call} TAIL" + ("" if forced else " | PLAIN")
         return LarkGrammar(start, [*rules, "PLAIN: /[ \\t\\n]*([^{ \\t\\n](.|\\n)*)?/",

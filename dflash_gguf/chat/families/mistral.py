@@ -26,9 +26,7 @@ class Mistral(Family):
         return f'{lit(head)} {tool_json_rule(tool["parameters"])} {lit(", " + chr(34) + "id" + chr(34) + ": " + chr(34))} /[a-zA-Z0-9]{{9}}/ {lit(chr(34) + "}")}'
 
     def grammar(self, tools: Sequence[Mapping[str, Any]], forced: bool, parallel: bool) -> LarkGrammar:
-        extra: list[str] = []
-        rules = [f"c{i}: {self.call(t, extra)}" for i, t in enumerate(tools)] + extra
-        call = "(" + " | ".join(f"c{i}" for i in range(len(tools))) + ")"
+        rules, call = self.call_rules(tools)
         array = f'"[" {call} ' + (f'(", " {call})* ' if parallel else "") + '"]"'
         if forced:
             start = f"{WS} {lit(self.opener)} {array} TAIL"
