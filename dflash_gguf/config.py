@@ -66,6 +66,11 @@ def _kv_type(optional_meaning: str | None = None) -> Callable[[Any], Any]:
     return check
 
 
+def _context_size(value: Any) -> int | None:
+    """None (the model's trained context, read from its GGUF when the Session opens) or a size of at least 8."""
+    return None if value is None else integer(8)(value)
+
+
 def _check_fields(obj: Any) -> None:
     """Run every field's check, keeping its normalised value; the first bad one raises SettingError."""
     for f in fields(obj):
@@ -160,7 +165,8 @@ LLAMA_CHAT_DEFAULTS = GenerationConfig(max_tokens=None, temperature=0.2, top_p=0
 class SessionOptions:
     """How a Session opens its target and drafter and serves its callers."""
 
-    n_ctx: int = setting(4096, integer(8), "context size in tokens", parse=int)
+    n_ctx: int | None = setting(4096, _context_size, "context size in tokens (none given: the model's trained "
+                                "context, where a command defaults to that)", parse=int)
     n_gpu_layers: int = setting(0, integer(-1, " (-1 = all)"),
                                 "target layers to offload to the GPU; -1 = all (CUDA/Metal/Vulkan builds)", parse=int)
     n_gpu_layers_draft: int | None = setting(None, optional(integer(-1, " (-1 = all)"), "as the target"),

@@ -32,7 +32,7 @@ from .tree import TreeShaper, tree_unusable
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
 from .target import ClosedError, Target
-from .target_gguf import drafter_verify_tokens
+from .target_gguf import drafter_verify_tokens, trained_context
 from .timing import calibrate, calibrate_verify, extend_verify_costs
 
 Message = Mapping[str, Any]
@@ -91,6 +91,15 @@ def _no_speculation_reason(target: Target, memory: TargetMemory) -> str | None:
     return None
 
 
+def _trained_context(target: str | os.PathLike[str]) -> int:
+    """The context a target was trained for (n_ctx None), or SessionOptions' default where its GGUF does not say;
+    a file that cannot be read gets the default here and Target.open says what is wrong with it."""
+    try:
+        return trained_context(target) or SessionOptions().n_ctx or 4096
+    except (ValueError, OSError):
+        return SessionOptions().n_ctx or 4096
+
+
 def _default_drafter() -> Path | None:
     """The drafter shipped for the embedded target, once the package carries one."""
     find = getattr(defaults, "embedded_drafter", None)
@@ -136,7 +145,7 @@ class Session:
             drafter = _default_drafter()
         tgt = Target.open(
             defaults.embedded_target() if target is None else target,
-            n_ctx=o.n_ctx,
+            n_ctx=o.n_ctx or _trained_context(defaults.embedded_target() if target is None else target),
             n_batch=o.n_batch,
             n_gpu_layers=o.n_gpu_layers,
             n_threads=o.n_threads,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -23,13 +23,21 @@ from .sampling import sample_token
 from .target import state_seq_get, state_seq_set
 
 if TYPE_CHECKING:
-    from .controller import CostModel
     from .drafter import Drafter
     from .memory import TargetMemory
     from .target import Target
 
 
 @dataclass(frozen=True)
+
+class VerifyCosts(Protocol):
+    """What sizing a tree needs of the measured costs (controller.CostModel has it; the tree floor does not
+    import the policy, which imports the sources that carry trees)."""
+
+    def verify_s(self, n_tokens: int) -> float: ...
+
+    def draft_s(self, block_tokens: int) -> float: ...
+
 class DraftTree:
     """A verify batch shaped as a tree. Row 0 is the anchor (the last committed token, depth 0).
 
@@ -343,7 +351,7 @@ class TreeShaper:
         self._shaped: tuple[int, np.ndarray, np.ndarray] | None = None  # (n_past, ids, q) of the last tree
         self._accepted: tuple[int, list[int]] | None = None  # (where its bonus is committed, accepted drafts)
 
-    def shape(self, anchor: int, n_past: int, logits: np.ndarray, costs: "CostModel | None" = None) -> DraftTree:
+    def shape(self, anchor: int, n_past: int, logits: np.ndarray, costs: VerifyCosts | None = None) -> DraftTree:
         """The tree after `anchor` at n_past from the drafter's logits (D, V) for slots 1..D.
 
         costs: the measured verify costs; with them the rows are as many as pay best, up to the budget: the

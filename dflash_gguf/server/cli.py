@@ -76,35 +76,19 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
         p.error("--api-key must not be empty")
     if a.max_tokens < 0:
         p.error(f"--max-tokens must be >= 0, got {a.max_tokens}")
-    a.n_ctx_train = _trained_context(p, a.target)
-    if a.n_ctx is None:
-        a.n_ctx = a.n_ctx_train or SessionOptions().n_ctx
     return (from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION),
             from_arguments(p, CacheOptions, a, PROMPT_CACHE_SETTINGS))
 
 
-def _trained_context(p: argparse.ArgumentParser, target: Path | None) -> int | None:
-    """The target's trained context from its GGUF header (None where it does not say)."""
-    from .. import defaults
-    from ..target_gguf import trained_context
-
-    try:
-        return trained_context(defaults.embedded_target() if target is None else target)
-    except ValueError as e:
-        p.error(str(e).splitlines()[0])
-        raise
-
-
-def _said_at_start(a: argparse.Namespace, cache: CacheOptions) -> list[str]:
+def _said_at_start(a: argparse.Namespace, cache: CacheOptions, n_ctx: int, n_ctx_train: int) -> list[str]:
     """What the server chose for an agent out of the box, said once at start-up, and the one warning."""
-    lines = [f"context {a.n_ctx} tokens per slot ({'the model' if a.n_ctx == a.n_ctx_train else '--n-ctx'}"
-             f"{'' if a.n_ctx_train is None else f'; trained for {a.n_ctx_train}'}), replies up to "
-             f"{a.max_tokens or 'the end of the context'} tokens unless a request says, prompt cache "
+    lines = [f"context {n_ctx} tokens per slot ({'--n-ctx' if a.n_ctx else 'the model'}; trained for {n_ctx_train}), "
+             f"replies up to {a.max_tokens or 'the end of the context'} tokens unless a request says, prompt cache "
              f"{_mib(cache.cache_ram)} in RAM{'' if cache.cache_dir is None else f' + {cache.cache_dir}'}, "
              f"request bodies up to {_mib(a.max_body_bytes)}, "
              f"{'any model name answered' if a.accept_any_model else f'only model {a.model_alias!r} answered'}"]
-    if a.n_ctx_train is not None and a.n_ctx > a.n_ctx_train:
-        lines.append(f"warning: --n-ctx {a.n_ctx} is past the {a.n_ctx_train} tokens the model was trained for: "
+    if n_ctx_train > 0 and n_ctx > n_ctx_train:
+        lines.append(f"warning: --n-ctx {n_ctx} is past the {n_ctx_train} tokens the model was trained for: "
                      "replies past that point may lose coherence")
     return lines
 
@@ -196,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               created=int(time.time()))
         app = create_app(sessions, config)
         host, port = sock.getsockname()[:2]
-        for line in _said_at_start(a, cache):
+        target = sessions[0].target
+        for line in _said_at_start(a, cache, target.n_ctx_seq, target.n_ctx_train):
             print(f"{PROG}: {line}", file=sys.stderr)
         print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
               file=sys.stderr, flush=True)
