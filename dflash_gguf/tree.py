@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from .target import Target
 
 
-@dataclass(frozen=True)
-
 class VerifyCosts(Protocol):
     """What sizing a tree needs of the measured costs (controller.CostModel has it; the tree floor does not
     import the policy, which imports the sources that carry trees)."""
@@ -38,6 +36,8 @@ class VerifyCosts(Protocol):
 
     def draft_s(self, block_tokens: int) -> float: ...
 
+
+@dataclass(frozen=True)
 class DraftTree:
     """A verify batch shaped as a tree. Row 0 is the anchor (the last committed token, depth 0).
 
