@@ -168,7 +168,8 @@ class SessionOptions:
     n_ctx: int | None = setting(4096, _context_size, "context size in tokens (none given: the model's trained "
                                 "context, where a command defaults to that)", parse=int)
     n_gpu_layers: int = setting(0, integer(-1, " (-1 = all)"),
-                                "target layers to offload to the GPU; -1 = all (CUDA/Metal/Vulkan builds)", parse=int)
+                                "target layers to offload to the GPU; -1 = all (CUDA/Metal/Vulkan builds)",
+                                flags=("--n-gpu-layers", "-ngl"), parse=int)  # -ngl: upstream's; never -ngld's prefix
     n_gpu_layers_draft: int | None = setting(None, optional(integer(-1, " (-1 = all)"), "as the target"),
                                              "drafter layers to offload to the GPU (default: as the target; "
                                              "upstream's -ngld)", flags=("--n-gpu-layers-draft", "-ngld"), parse=int)

@@ -110,3 +110,15 @@ def test_a_new_setting_is_one_field():
     parser = argparse.ArgumentParser()
     add_arguments(parser, WithMinTokens, ("min_tokens",))
     assert "--min-tokens" in parser.format_help()
+
+
+def test_upstreams_ngl_sets_the_targets_layers_not_the_drafters():
+    """`-ngl` was read by argparse as an abbreviation of `-ngld` (the drafter's layers)."""
+    import argparse
+
+    from dflash_gguf.config import SessionOptions, add_arguments, from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, SessionOptions, ("n_gpu_layers", "n_gpu_layers_draft"))
+    options = from_arguments(parser, SessionOptions, parser.parse_args(["-ngl", "-1"]), ("n_gpu_layers", "n_gpu_layers_draft"))
+    assert (options.n_gpu_layers, options.n_gpu_layers_draft) == (-1, None)
