@@ -94,10 +94,11 @@ def _no_speculation_reason(target: Target, memory: TargetMemory) -> str | None:
 def _trained_context(target: str | os.PathLike[str]) -> int:
     """The context a target was trained for (n_ctx None), or SessionOptions' default where its GGUF does not say;
     a file that cannot be read gets the default here and Target.open says what is wrong with it."""
+    fallback = int(SessionOptions().n_ctx)  # the field's default is a size; None is what a command asks for
     try:
-        return trained_context(target) or SessionOptions().n_ctx or 4096
+        return trained_context(target) or fallback
     except (ValueError, OSError):
-        return SessionOptions().n_ctx or 4096
+        return fallback
 
 
 def _default_drafter() -> Path | None:
