@@ -7,8 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v npm >/dev/null 2>&1; then
     if [ ! -x tests/agents/node_modules/.bin/codex ] || [ tests/agents/package-lock.json -nt tests/agents/node_modules ]; then
-        npm ci --prefix tests/agents --no-audit --no-fund --loglevel=error \
-            || { echo "install_agents.sh: npm ci in tests/agents failed" >&2; exit 1; }
+        # npm install, not npm ci: the lock pins every version, but opencode-ai lists one optional package per
+        # platform and a registry that lacks another platform's (macOS, Windows) makes npm ci refuse the lock as
+        # "out of sync"; npm install takes the lock's versions and skips the optional packages it cannot fetch
+        npm install --prefix tests/agents --no-save --no-audit --no-fund --loglevel=error \
+            || { echo "install_agents.sh: npm install in tests/agents failed" >&2; exit 1; }
         touch tests/agents/node_modules
     fi
 else
