@@ -208,8 +208,20 @@ class SessionOptions:
                               "rows of each draft tree, the anchor included (0: linear blocks; 2..257, at most "
                               "n_batch); the target's KV cache is then unified, one sequence per leaf", parse=int)
 
+    # one target context for several Sessions (a server's slots): concurrent generations decode in one batch (issue 37)
+    sequences: int = setting(1, integer(1),
+                             "sequences sharing one target context: Session.fork() hands out the others, and the "
+                             "decodes of generations running at once go out as one batch (1: a context of its own)",
+                             parse=int)
+
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.sequences > LLAMA_MAX_SEQ:
+            raise SettingError("sequences", f"must be at most {LLAMA_MAX_SEQ} (libllama's LLAMA_MAX_SEQ), "
+                               f"got {self.sequences}")
+        if self.sequences > 1 and self.tree_nodes:
+            raise SettingError("tree_nodes", "a draft tree's branches are sequences of the target context: it "
+                               f"cannot also be shared by {self.sequences} sequences; set tree_nodes 0 or sequences 1")
         if self.rpc_servers and self.n_gpu_layers == 0:  # only offloaded layers go to a device, remote or not
             raise SettingError("rpc_servers", "needs n_gpu_layers -1 (all) or how many layers the devices take; "
                                "with 0 no layer reaches the RPC servers")

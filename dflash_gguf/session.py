@@ -31,6 +31,7 @@ from .sources import Commit, DraftSource, NativeDrafterSource
 from .tree import TreeShaper, tree_unusable
 from .stats import GenerationStats, StatsBuilder
 from .steps import Step, TokenLogprob
+from .batching import SharedContext, batch_priced
 from .target import ClosedError, Target
 from .target_gguf import drafter_verify_tokens, trained_context
 from .timing import calibrate, calibrate_verify, extend_verify_costs
@@ -91,6 +92,37 @@ def _no_speculation_reason(target: Target, memory: TargetMemory) -> str | None:
     return None
 
 
+def _open_target(path: str | os.PathLike[str], drafter: str | os.PathLike[str] | None,
+                 o: SessionOptions) -> tuple[Target, str | None]:
+    """The target as SessionOptions say: a context of its own, or (sequences > 1) sequence 0 of a shared
+    context whose other sequences fork() hands out; with why the context is not shared where it was asked."""
+    n_ctx = o.n_ctx or _trained_context(path)
+    settings: dict[str, Any] = dict(
+        n_batch=o.n_batch, n_gpu_layers=o.n_gpu_layers, n_threads=o.n_threads, flash_attn=o.flash_attn,
+        verbose=o.verbose, n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
+        type_k=o.type_k, type_v=o.type_v, rpc_servers=o.rpc_servers,
+    )
+    settings["load_mtp"] = True  # the model's own MTP heads, where it has them, draft beside the other sources
+    if o.sequences == 1:
+        return Target.open(path, n_ctx=n_ctx, **settings,
+                           n_seq_max=max(1, o.tree_nodes - 1),  # a tree of n rows has at most n - 1 leaves
+                           kv_unified=o.tree_nodes > 0), None
+    # one KV stream per sequence (not unified): each sequence's cells stay in its own order, as in a context of
+    # its own, so its logits are bit for bit what it would get alone (docs/DESIGN.md)
+    owner = Target.open(path, n_ctx=n_ctx * o.sequences, n_seq_max=o.sequences, kv_unified=False, **settings)
+    try:
+        if not owner.recurrent:
+            return SharedContext(owner).sequence(), None
+        # known only once the weights are loaded: keep them, in a context of this sequence's own
+        alone = owner.fork(n_ctx=n_ctx, n_seq_max=1, kv_unified=False)
+    except BaseException:
+        owner.close()
+        raise
+    owner.close()
+    return alone, (f"{alone.architecture}: a recurrent state is rolled back per context here, so each of the "
+                   f"{o.sequences} sequences has a context of its own and decodes alone")
+
+
 def _trained_context(target: str | os.PathLike[str]) -> int:
     """The context a target was trained for (n_ctx None), or SessionOptions' default where its GGUF does not say;
     a file that cannot be read gets the default here and Target.open says what is wrong with it."""
@@ -129,6 +161,8 @@ class Session:
     a stream running while close() is called ends at its next cycle.
     """
 
+    batching_disabled_reason: str | None = None  # why sequences > 1 did not give one shared context
+
     def __init__(
         self,
         target: str | os.PathLike[str] | None = None,
@@ -144,22 +178,8 @@ class Session:
         o = SessionOptions.build(options, **settings)
         if drafter is None and target is None:
             drafter = _default_drafter()
-        tgt = Target.open(
-            defaults.embedded_target() if target is None else target,
-            n_ctx=o.n_ctx or _trained_context(defaults.embedded_target() if target is None else target),
-            n_batch=o.n_batch,
-            n_gpu_layers=o.n_gpu_layers,
-            n_threads=o.n_threads,
-            flash_attn=o.flash_attn,
-            verbose=o.verbose,
-            n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
-            type_k=o.type_k,
-            type_v=o.type_v,
-            load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
-            rpc_servers=o.rpc_servers,
-            n_seq_max=max(1, o.tree_nodes - 1),  # a tree of n rows has at most n - 1 leaves
-            kv_unified=o.tree_nodes > 0,
-        )
+        path = defaults.embedded_target() if target is None else target
+        tgt, self.batching_disabled_reason = _open_target(path, drafter, o)
         try:
             self._attach(tgt, drafter, o.n_threads, wait=o.wait, lookup=o.lookup, sources=sources,
                          n_gpu_layers_draft=o.n_gpu_layers_draft, prompt_cache=prompt_cache,
@@ -200,7 +220,7 @@ class Session:
             raise ValueError("fork() cannot copy caller-given draft sources (each holds one context's state)")
         with self._native:
             self._check_open()
-            target = self.target.fork()
+            target = self.target.fork()  # a sequence of the same context, where it is shared
             try:
                 drafter = self.drafter.fork(target) if self.drafter is not None else None
             except BaseException:
@@ -210,6 +230,7 @@ class Session:
         other._attach(target, drafter, None, wait=self._wait, lookup=self._lookup is not None,
                       prompt_cache=self._prompt_cache, tree_nodes=self._tree_nodes)
         other._context = self._context  # the same files and settings: the same prompt-cache context
+        other.batching_disabled_reason = self.batching_disabled_reason
         other._llama = None
         return other
 
@@ -391,13 +412,13 @@ class Session:
         self._check_open()
         self._enter_generation()
         try:
-            with self._native:
+            with self._native, self.target.cycle():
                 self._check_open()
                 steps, restored = self._start(tokens, config)
             builder = StatsBuilder()
             t0 = time.perf_counter()
             while True:
-                with self._native:
+                with self._native, self.target.cycle():
                     if self._closed:
                         return  # close() was called during the stream: end it cleanly
                     try:
@@ -619,7 +640,21 @@ class Session:
         key = calibration_store.session_key(self.target, self.drafter, self.memory, measurement)
         costs, source = calibration_store.saved_or_measured(key, measure, recalibrate=self._recalibrate)
         self.calibration_source = source if self.calibration_source in (None, source) else calibration_store.MEASURED
-        return costs
+        return batch_priced(costs, self.target)
+
+    def calibrate(self) -> None:
+        """Measure the verify and draft costs now (or read the ones saved for this machine) rather than at the
+        first speculative generation: a server does it before its slots decode in one shared context, where a
+        timing would include the other slots' rows."""
+        if not self._sources:
+            return
+        self._enter_generation()
+        try:
+            with self._native, self.target.cycle():
+                self._check_open()
+                self._verify_costs()
+        finally:
+            self._leave_generation()
 
     def _make_room(self, n: int) -> None:
         """Empty caches before timing batches of n tokens where the context lacks room, or where a hybrid

@@ -11,6 +11,7 @@ import os
 import threading
 import warnings
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
@@ -575,6 +576,11 @@ class Target(NativeResource):
         self._features_ready = False
 
     # -- decoding --------------------------------------------------------------------------
+    def cycle(self) -> AbstractContextManager[None]:
+        """Held by the Session while one cycle of a generation runs. Nothing to do for a context of its own;
+        a sequence of a shared context (batching.SequenceTarget) is waited for and its outputs kept meanwhile."""
+        return nullcontext()
+
     def decode(
         self,
         tokens: Sequence[int] | np.ndarray,
@@ -983,23 +989,25 @@ class Target(NativeResource):
         return raw.decode("utf-8") if raw else None
 
     # -- lifetime --------------------------------------------------------------------------
-    def fork(self) -> "Target":
-        """A new context with this one's settings on the same loaded model (weights are not loaded twice)."""
+    def fork(self, *, n_ctx: int | None = None, n_seq_max: int | None = None, kv_unified: bool | None = None) -> "Target":
+        """A new context with this one's settings (or those given) on the same loaded model (weights are not
+        loaded twice)."""
         if self._ctx is None:
             raise self._closed_error()
+        kv_unified = self.kv_unified if kv_unified is None else kv_unified
         shared = self._shared.share()
         try:
             ctx = new_context(
                 self._model,
-                n_ctx=self.n_ctx,
+                n_ctx=self.n_ctx if n_ctx is None else n_ctx,
                 n_batch=self.n_batch,
-                n_seq_max=self.n_seq_max,
+                n_seq_max=self.n_seq_max if n_seq_max is None else n_seq_max,
                 n_threads=capi.llama_n_threads(self._ctx),
                 flash_attn=self.flash_attn,
                 n_rs_seq=self.n_rs_seq,
                 type_k=self.type_k,
                 type_v=self.type_v,
-                kv_unified=self.kv_unified,
+                kv_unified=kv_unified,
             )
         except BaseException:
             shared.release()
@@ -1008,7 +1016,7 @@ class Target(NativeResource):
             self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
             flash_attn=self.flash_attn, shared=shared, type_k=self.type_k, type_v=self.type_v,
             mtp_loaded=self.n_mtp_heads > 0,
-            kv_unified=self.kv_unified,
+            kv_unified=kv_unified,
         )
 
     def set_threads(self, n_threads: int) -> None:

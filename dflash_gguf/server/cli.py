@@ -1,7 +1,7 @@
 """`dflash-serve`: the OpenAI- and Anthropic-compatible server; with no arguments, the embedded pair on 127.0.0.1:8000.
 
-Weights load once: slot 0 opens the models, every other slot is Session.fork() of it (own contexts
-and caches, shared weights). Bad input is one line on stderr and exit status 2.
+Weights load once: slot 0 opens the models, every other slot is Session.fork() of it: the next sequence of
+one shared target context (its decodes batched with the other slots'), its own drafter context and caches. Bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -125,13 +125,17 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def open_sessions(a: argparse.Namespace, options: SessionOptions, cache: CacheOptions | None = None) -> list:
-    """Slot 0 opens the models, the others fork it; all share one prompt cache (if any)."""
+    """Slot 0 opens the models, the others fork it (the next sequence of its context); all share one prompt
+    cache (if any)."""
     from ..session import Session
 
     prompt_cache = None if cache is None else cache.open()
-    first = Session(a.target, a.drafter, options, prompt_cache=prompt_cache)
+    # the slots are sequences of one target context: their decodes go out as one batch (issue 37)
+    first = Session(a.target, a.drafter, SessionOptions.build(options, sequences=a.parallel), prompt_cache=prompt_cache)
     sessions = [first]
     try:
+        if a.parallel > 1:
+            first.calibrate()  # timed alone, before the slots share the context (the forks read what it saved)
         for _ in range(a.parallel - 1):
             sessions.append(first.fork())
     except BaseException:

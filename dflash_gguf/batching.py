@@ -1,0 +1,401 @@
+"""One target context for many sequences: the decodes of concurrent generations go out as one llama_decode.
+
+A server with N slots used to give each slot its own context, so N generations decoded side by side in N
+small batches. Here the slots are sequences 0..N-1 of one context (a KV stream each), and each slot's
+Session holds a `SequenceTarget`: a Target in every respect the decode loop, the memory and the draft
+sources see (positions from 0, "sequence 0", its own logits rows and features), whose decodes are handed to
+the `SharedContext`. It gathers them: when every generation that is inside a cycle has handed over its rows,
+they are decoded together (continuous batching: a generation joins or leaves between cycles, and plain
+steps, verify blocks and prefill chunks mix in one batch), and each caller reads its own rows after.
+
+Why gather rather than schedule: every slot keeps running the same `decode_steps` in its own thread, with
+its own grammar, sampling, stops, prompt-cache entry and rollback; only the C call is shared.
+
+The rules that keep each sequence's outputs valid:
+- a generation is *busy* while one of its cycles runs (`SequenceTarget.cycle()`, held by the Session); the
+  gather waits for the busy ones only, so a generation whose consumer is slow (a client reading a stream)
+  never holds the others back;
+- the last batch's busy participants are *readers* until they hand over their next rows or leave the cycle:
+  no batch is decoded while one of them may still read its logits or features (they live in libllama's
+  buffers, overwritten by the next decode);
+- a busy generation that has not handed over rows for `max_wait_s` (a grammar compiling, a cache file
+  loading) is left out of that batch rather than waited for;
+- every C call on the shared context (decode, KV truncation, state save and load) is made under one lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import llama_cpp.llama_cpp as capi
+import numpy as np
+
+from . import llama_ext
+from .controller import CostModel, TimingKind
+from .target import ClosedError, Target, state_seq_get, state_seq_set
+
+DEFAULT_MAX_WAIT_S = 0.05  # what a batch waits, at most, for a busy generation's rows
+# From this many rows of one sequence on, ggml-cpu's flash attention takes its tiled kernel (GGML_FA_TILE_Q in
+# ggml-cpu/common.h) instead of the row-by-row one, and a row's logits move by up to ~1 (docs/DESIGN.md). libllama
+# cuts a batch of several sequences into micro-batches of as many rows from each, so a run this long (a prefill
+# chunk) is decoded by itself: cut up, its rows would take the other kernel
+KERNEL_ROWS = 64
+
+
+@dataclass
+class BatchRecord:
+    """One gathered llama_decode: how many sequences, rows and seconds (the server's metrics, batch pricing)."""
+
+    sequences: int
+    rows: int
+    seconds: float
+
+
+class _Request:
+    __slots__ = ("view", "n", "n_outputs", "t", "row", "out", "error", "done")
+
+    def __init__(self, view: "SequenceTarget", n: int, n_outputs: int) -> None:
+        self.view, self.n, self.n_outputs, self.t = view, n, n_outputs, time.monotonic()
+        self.row = self.out = 0
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class SharedContext:
+    """The owner of one target context with N sequences; hands them out as SequenceTargets and gathers
+    their decodes. The context is freed when the last SequenceTarget closes."""
+
+    def __init__(self, owner: Target, *, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+        if owner.recurrent:
+            raise ValueError(f"{owner.architecture}: a recurrent target's state is rolled back per context here; "
+                             "its sequences cannot share one")
+        if owner.kv_unified or owner.n_seq_max < 2:
+            raise ValueError("a shared context keeps one KV stream per sequence: Target.open(..., n_seq_max=N, "
+                             "kv_unified=False) with N >= 2")
+        self.owner = owner
+        self.n_sequences = owner.n_seq_max
+        self.max_wait_s = max_wait_s
+        self.kernel_rows = KERNEL_ROWS
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._free = list(range(self.n_sequences))
+        self._open: set[int] = set()
+        self._busy: dict[int, int] = {}  # sequence -> cycles it is inside (nested holds count)
+        self._readers: set[int] = set()
+        self._pending: list[_Request] = []
+        self.last: BatchRecord | None = None
+        self.batches = 0  # gathered decodes so far
+        self.batched_rows = 0
+
+    # -- sequences -------------------------------------------------------------------------
+    def sequence(self) -> "SequenceTarget":
+        """A free sequence of this context as a Target; RuntimeError when all are taken."""
+        with self._lock:
+            if self.owner.closed:
+                raise ClosedError("the shared context is closed")
+            if not self._free:
+                raise RuntimeError(f"all {self.n_sequences} sequences of the shared context are in use")
+            seq = self._free.pop(0)
+            self._open.add(seq)
+        try:
+            return SequenceTarget(self, seq)
+        except BaseException:
+            self._release(seq)
+            raise
+
+    def _release(self, seq: int) -> None:
+        """A sequence closed: its cells are freed, its id can be handed out again; the last one frees the context."""
+        with self._changed:
+            self._busy.pop(seq, None)
+            self._readers.discard(seq)
+            if seq in self._open:
+                self._open.discard(seq)
+                if not self.owner.closed:
+                    capi.llama_memory_seq_rm(capi.llama_get_memory(self.owner.ctx), seq, 0, -1)
+                self._free.append(seq)
+                self._free.sort()
+            last = not self._open
+            self._changed.notify_all()
+        if last:
+            self.owner.close()
+
+    @property
+    def busy(self) -> int:
+        """Generations inside a cycle now."""
+        with self._lock:
+            return len(self._busy)
+
+    # -- the gather ------------------------------------------------------------------------
+    def enter(self, seq: int) -> None:
+        with self._changed:
+            self._busy[seq] = self._busy.get(seq, 0) + 1
+
+    def leave(self, seq: int) -> None:
+        with self._changed:
+            left = self._busy.get(seq, 0) - 1
+            if left > 0:
+                self._busy[seq] = left
+                return
+            self._busy.pop(seq, None)
+            self._readers.discard(seq)
+            self._changed.notify_all()
+
+    def decode(self, view: "SequenceTarget", n: int, n_outputs: int) -> tuple[int, int]:
+        """Decode the n rows staged in `view`'s batch buffers together with whatever else is gathered; returns
+        (the first batch row, the first output row) that are this view's in that decode."""
+        req = _Request(view, n, n_outputs)
+        with self._changed:
+            self._readers.discard(view.seq_id)
+            self._pending.append(req)
+            self._changed.notify_all()
+            while not req.done:
+                wait = self._wait_s()
+                if wait == 0.0:
+                    self._flush()
+                else:
+                    self._changed.wait(wait)
+        if req.error is not None:
+            raise req.error
+        return req.row, req.out
+
+    def _wait_s(self) -> float | None:
+        """0 when a batch should go now; else how long to wait before looking again (None: until told)."""
+        if not self._pending:
+            return None
+        handed = {r.view.seq_id for r in self._pending}
+        if self._readers - handed:
+            return None  # someone still reads the last batch's outputs: they will notify
+        if not set(self._busy) - handed:
+            return 0.0
+        left = self._pending[0].t + self.max_wait_s - time.monotonic()
+        return 0.0 if left <= 0 else left
+
+    def _flush(self) -> None:
+        """One llama_decode of the pending requests that fit one batch, in the order they came (lock held)."""
+        owner = self.owner
+        taken: list[_Request] = []
+        rows = 0
+        for r in self._pending:
+            if taken and not self._joins(taken, rows, r):
+                continue
+            taken.append(r)
+            rows += r.n
+        self._pending = [r for r in self._pending if r not in taken]
+        taken.sort(key=lambda r: r.view.seq_id)  # libllama puts runs of consecutive ids in one micro-batch
+        out = 0
+        row = 0
+        for r in taken:
+            v = r.view
+            owner._tok[row : row + r.n] = v._tok[: r.n]
+            owner._pos[row : row + r.n] = v._pos[: r.n]
+            owner._seq[row : row + r.n, 0] = v.seq_id
+            owner._out[row : row + r.n] = v._out[: r.n]
+            r.row, r.out = row, out
+            row += r.n
+            out += r.n_outputs
+        owner._nseq[:rows] = 1
+        owner._batch.n_tokens = rows
+        t0 = time.perf_counter()
+        try:
+            if owner.closed:
+                raise ClosedError("the shared context is closed")
+            rc = capi.llama_decode(owner.ctx, owner._batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, "
+                                   "<-1: fatal)")
+        except BaseException as e:
+            for r in taken:
+                r.error = e
+        self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
+        self.batches += 1
+        self.batched_rows += rows
+        self._readers = {r.view.seq_id for r in taken if r.view.seq_id in self._busy and r.error is None}
+        for r in taken:
+            r.done = True
+        self._changed.notify_all()
+
+    def _joins(self, taken: list[_Request], rows: int, r: _Request) -> bool:
+        """Whether request r can join the batch: it fits, and neither it nor the batch is a run of
+        KERNEL_ROWS rows or more (a prefill chunk), which libllama would split across micro-batches with
+        the others' rows and so compute with another kernel than alone."""
+        if rows + r.n > self.owner.n_batch:
+            return False
+        return r.n < self.kernel_rows and all(t.n < self.kernel_rows for t in taken)
+
+    @contextmanager
+    def native(self) -> Iterator[None]:
+        """Held around every other C call on the shared context (KV truncation, state save and load)."""
+        with self._lock:
+            yield
+
+
+class SequenceTarget(Target):
+    """One sequence of a SharedContext, as a Target: positions from 0, "sequence 0" for every caller, its own
+    logits rows and features; its decodes are gathered with the other sequences'."""
+
+    def __init__(self, shared: SharedContext, seq_id: int) -> None:
+        owner = shared.owner
+        super().__init__(owner.model, owner.ctx, owned=False, path=owner.path, n_gpu_layers=owner.n_gpu_layers,
+                         flash_attn=owner.flash_attn, shared=owner.shared_model(), type_k=owner.type_k,
+                         type_v=owner.type_v)
+        self.shared = shared
+        self.seq_id = seq_id
+        self.n_seq_max = 1  # callers see one sequence; a draft tree's branches would need ids of their own
+        self._row_base = 0  # this sequence's first batch row and first output row in the last gathered decode
+        self._out_base = 0
+
+    @contextmanager
+    def cycle(self) -> Iterator[None]:
+        """Held while a cycle of this sequence's generation runs: batches wait for its rows, and nothing
+        overwrites its outputs until it hands over its next rows or the cycle ends."""
+        self.shared.enter(self.seq_id)
+        try:
+            yield
+        finally:
+            self.shared.leave(self.seq_id)
+
+    def _submit(self, n: int, out: np.ndarray | int, out_index: np.ndarray | int, n_outputs: int) -> None:
+        self._out[:n] = out
+        self._features_ready = False
+        self._n_outputs = 0
+        self._n_last = 0
+        self._row_base, self._out_base = self.shared.decode(self, n, n_outputs)
+        self._n_last = n
+        self.decode_count += 1
+        self._out_index[:n] = out_index
+        self._n_outputs = n_outputs
+        self._features_ready = bool(self._layers)
+
+    def output_logits(self) -> np.ndarray:
+        if self._ctx is None:
+            raise self._closed_error()
+        if self._n_outputs == 0:
+            raise IndexError("the last decode produced no logits")
+        address = llama_ext.get_logits_address(self._ctx)
+        if not address:
+            raise RuntimeError("libllama returned no logits")
+        address += self._out_base * self.n_vocab * ctypes.sizeof(ctypes.c_float)
+        key = (address, self._n_outputs)
+        if self._logits_view is None or self._logits_key != key:
+            ptr = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.n_vocab))
+            self._logits_view.flags.writeable = False
+            self._logits_key = key
+        return self._logits_view
+
+    def _row_view(self, i: int) -> np.ndarray:
+        if self._ctx is None:
+            raise self._closed_error()
+        if not 0 <= i < self._n_last or self._out_index[i] < 0:
+            raise IndexError(f"batch row {i} of the last decode has no logits")
+        ptr = capi.llama_get_logits_ith(self._ctx, self._row_base + i)
+        if not ptr:
+            raise RuntimeError(f"libllama returned no logits for batch row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def _layer_input(self, lid: int) -> int:
+        return super()._layer_input(lid) + self._row_base * self.n_embd * ctypes.sizeof(ctypes.c_float)
+
+    def output_nextn(self) -> None:
+        raise RuntimeError("an MTP head drafts from a context of its own target: not on a shared sequence")
+
+    def fork(self, *, n_ctx: int | None = None, n_seq_max: int | None = None,
+             kv_unified: bool | None = None) -> "SequenceTarget":
+        """Another sequence of the same shared context (RuntimeError when none is free): its settings are the
+        context's, so none can be given."""
+        if self._ctx is None:
+            raise self._closed_error()
+        if (n_ctx, n_seq_max, kv_unified) != (None, None, None):
+            raise ValueError("a shared sequence forks into another sequence of its context, with its settings")
+        return self.shared.sequence()
+
+    # -- this sequence's memory: "sequence 0" (or -1, all) to callers, seq_id in the context --------------
+    def _own(self, seq_id: int, *, any_ok: bool = False) -> int:
+        if self._ctx is None:
+            raise self._closed_error()
+        if seq_id == 0 or (any_ok and seq_id == -1):
+            return self.seq_id
+        raise ValueError(f"a shared sequence is sequence 0 to its callers, got {seq_id}")
+
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        seq = self._own(seq_id, any_ok=True)
+        with self.shared.native():
+            if not capi.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                raise RuntimeError(f"llama_memory_seq_rm(seq={seq}, [{p0}, {p1})) failed")
+
+    def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        raise ValueError("a shared sequence has no other sequence to copy to")
+
+    def pos_max(self, seq_id: int = 0) -> int:
+        seq = self._own(seq_id)
+        with self.shared.native():
+            return int(capi.llama_memory_seq_pos_max(self._mem, seq))
+
+    def clear(self) -> None:
+        self.remove(0, 0, -1)
+
+    def save_sequence(self, seq_id: int = 0) -> bytes:
+        seq = self._own(seq_id)
+        with self.shared.native():
+            return state_seq_get(self._ctx, seq)
+
+    def load_sequence(self, data: bytes, seq_id: int = 0) -> None:
+        seq = self._own(seq_id)
+        with self.shared.native():
+            try:
+                state_seq_set(self._ctx, data, seq)
+            except RuntimeError:
+                capi.llama_memory_seq_rm(self._mem, seq, 0, -1)
+                raise
+        self._features_ready = False
+        self._n_last = 0
+        self._n_outputs = 0
+
+    def close(self) -> None:
+        """Free this sequence's cells and give its id back; the context goes with the last sequence."""
+        if self._ctx is None:
+            return
+        super().close()
+        self.shared._release(self.seq_id)
+
+
+class BatchPricedCosts(CostModel):
+    """A cost model that prices one sequence's share of the shared batch (issue 37).
+
+    With k generations decoding at once, each choosing blocks of n rows, a cycle is one batch of about k * n
+    rows: a sequence's share of it is t(k * n) / k, and plain decoding's t(k) / k. Where t is flat in rows (a
+    GPU), blocks cost little more than plain steps at any k and stay long; where it climbs (this CPU: 16 rows
+    cost 11.5 steps) the extra rows of k blocks cost k times over and blocks shrink to plain steps as k grows,
+    coming back when the load falls. t is the calibrated table of this machine (linear past its last point).
+    A cycle's own timing is the whole batch's, others' rows included, so verify and plain timings are not
+    folded into the table while others decode with it; drafts and rollbacks are this sequence's own.
+    """
+
+    def __init__(self, costs: CostModel, shared: SharedContext) -> None:
+        self.__dict__.update(costs.__dict__)  # the same tables: what one learns, the other sees
+        self.shared = shared
+
+    def verify_s(self, n_tokens: int) -> float:
+        k = max(1, self.shared.busy)
+        rollback = self.rollback.seconds(n_tokens) if self.rollback else 0.0
+        return self.target.seconds(k * n_tokens) / k + rollback
+
+    @property
+    def plain_s(self) -> float:
+        k = max(1, self.shared.busy)
+        return self.target.seconds(k) / k
+
+    def observe(self, kind: TimingKind, n_tokens: int, seconds: float) -> None:
+        if kind in ("verify", "plain") and self.shared.busy > 1:
+            return
+        super().observe(kind, n_tokens, seconds)
+
+
+def batch_priced(costs: CostModel, target: Target) -> CostModel:
+    """The costs a Session on this target prices its blocks with: its share of the batch on a shared sequence."""
+    return BatchPricedCosts(costs, target.shared) if isinstance(target, SequenceTarget) else costs
