@@ -89,8 +89,9 @@ class SharedContext:
         self._readers: set[int] = set()
         self._pending: list[_Request] = []
         self.last: BatchRecord | None = None
-        self.batches = 0  # gathered decodes so far
-        self.batched_rows = 0
+        self.batches = 0  # decodes so far
+        self.batched_rows = 0  # their rows
+        self.shared_batches = 0  # those that held rows of two sequences or more
 
     # -- sequences -------------------------------------------------------------------------
     def sequence(self) -> "SequenceTarget":
@@ -214,6 +215,7 @@ class SharedContext:
         self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
         self.batches += 1
         self.batched_rows += rows
+        self.shared_batches += len(taken) > 1
         self._readers = {r.view.seq_id for r in taken if r.view.seq_id in self._busy and r.error is None}
         for r in taken:
             r.done = True

@@ -1,0 +1,181 @@
+"""Batching across slots (issue 37): Sessions that are sequences of one target context decode together.
+
+The real embedded target and its shipped drafter. What is asserted: replies of generations running at once
+are token for token what each prompt gets alone on a cold context (greedy, plain and speculative), their
+decodes really were shared, a sequence's memory is its own, the shared context's refusals, the batch pricing
+with a cost curve that climbs (this CPU's) and one that is flat (a GPU's), and a server whose slots share one
+context answering concurrent requests as it answers them one at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dflash_gguf import Session, SessionOptions
+from dflash_gguf.batching import BatchPricedCosts, SequenceTarget, SharedContext
+from dflash_gguf.config import SettingError
+from dflash_gguf.controller import AdaptivePolicy, CostModel
+from dflash_gguf.server import ServerConfig, create_app
+from dflash_gguf.sources import Offer
+
+from test_server import running
+
+PROMPTS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
+           "Write one sentence about the sea."]
+N = 24  # tokens per reply
+
+
+def ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each prompt on a context of its own, cold: the replies batching must reproduce."""
+    s = Session(n_ctx=1024)
+    out = {}
+    for speculative in (False, True):
+        for p in PROMPTS:
+            out[p, speculative] = s.chat(ask(p), max_tokens=N, temperature=0, speculative=speculative).tokens
+            s.reset()
+    s.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """Four Sessions, sequences 0..3 of one context; batches wait for every busy sequence (no timeout race)."""
+    first = Session(n_ctx=1024, sequences=len(PROMPTS))
+    first.target.shared.max_wait_s = 60.0
+    sessions = [first] + [first.fork() for _ in PROMPTS[1:]]
+    yield sessions
+    for s in sessions:
+        s.close()
+
+
+def at_once(sessions, prompts, **settings):
+    """Every prompt on its own Session, all started together; the replies' tokens in prompt order."""
+    start = threading.Barrier(len(prompts))
+
+    def one(pair):
+        s, p = pair
+        start.wait()
+        return s.chat(ask(p), max_tokens=N, temperature=0, **settings).tokens
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, zip(sessions, prompts)))
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_replies_at_once_are_the_replies_alone(shared, alone, speculative):
+    for s in shared:
+        s.reset()
+    context = shared[0].target.shared
+    before = context.shared_batches
+    replies = at_once(shared, PROMPTS, speculative=speculative)
+    assert replies == [alone[p, speculative] for p in PROMPTS]
+    assert context.shared_batches > before  # the decodes really went out together
+    # a follow-up turn on every sequence reuses its own cached prefix, untouched by the others' decodes
+    follow = [shared[i].committed_tokens[:] for i in range(len(PROMPTS))]
+    again = at_once(shared, PROMPTS, speculative=speculative)
+    assert again == replies
+    assert all(s.last_stats.n_cached_tokens > 0 for s in shared)
+    assert [shared[i].committed_tokens[: len(follow[i])] for i in range(len(PROMPTS))] == follow
+
+
+def test_sequences_are_handed_out_and_given_back():
+    first = Session(n_ctx=256, sequences=2, lookup=False, drafter=None)
+    try:
+        assert isinstance(first.target, SequenceTarget) and first.target.seq_id == 0
+        second = first.fork()
+        assert second.target.seq_id == 1 and second.target.shared is first.target.shared
+        with pytest.raises(RuntimeError, match="all 2 sequences of the shared context are in use"):
+            first.fork()
+        reply = second.generate("Once upon a time", max_tokens=4, temperature=0).tokens
+        held = second.target.pos_max(0)
+        assert held >= 0 and first.target.pos_max(0) == -1  # one sequence's cells are not the other's
+        second.close()
+        third = first.fork()  # the freed id, with none of the closed sequence's cells
+        assert third.target.seq_id == 1 and third.target.pos_max(0) == -1
+        assert third.generate("Once upon a time", max_tokens=4, temperature=0).tokens == reply
+        with pytest.raises(ValueError, match="sequence 0 to its callers"):
+            third.target.remove(1, 0)
+        with pytest.raises(ValueError, match="no other sequence"):
+            third.target.copy_sequence(0, 0)
+        third.close()
+    finally:
+        first.close()
+    assert first.target.shared.owner.closed  # the context went with its last sequence
+
+
+def test_settings_refused():
+    with pytest.raises(SettingError, match="sequences"):
+        SessionOptions(sequences=0)
+    with pytest.raises(SettingError, match="tree_nodes"):
+        SessionOptions(sequences=2, tree_nodes=8)
+    with pytest.raises(SettingError, match="at most"):
+        SessionOptions(sequences=100_000)
+
+
+def test_a_shared_context_needs_its_own_streams(embedded_target):
+    from dflash_gguf.target import Target
+
+    with Target.open(embedded_target, n_ctx=512, n_seq_max=2, kv_unified=True) as unified:
+        with pytest.raises(ValueError, match="one KV stream per sequence"):
+            SharedContext(unified)
+
+
+def _offers(p: float, n: int) -> list[Offer]:
+    """One source whose every draft commits with probability p after the one before it did."""
+    return [Offer("toy", n, [sum(p ** i for i in range(m + 1)) for m in range(n + 1)])]
+
+
+@pytest.mark.parametrize("curve, k, drafts", [
+    ({1: 1.0, 16: 11.5}, 1, True),    # this CPU (Q4_1, one thread), alone: 16 rows for 11.5 steps
+    ({1: 1.0, 16: 11.5}, 4, False),   # the same curve, four sequences decoding: plain steps
+    ({1: 1.0, 16: 1.1, 128: 2.0}, 4, True),  # a flat curve (a GPU's): still worth drafting
+])
+def test_blocks_are_priced_by_their_share_of_the_batch(embedded_target, curve, k, drafts):
+    """A toy source whose drafts commit with probability 0.8 each: a short block pays alone on the CPU curve,
+    no block does when four sequences decode (their rows cost four times over), and on a flat curve long
+    blocks still do at four."""
+    from dflash_gguf.target import Target
+
+    owner = Target.open(embedded_target, n_ctx=256 * k if k > 1 else 512, n_seq_max=max(2, k), kv_unified=False)
+    context = SharedContext(owner)
+    views = [context.sequence() for _ in range(max(2, k))]
+    try:
+        costs = BatchPricedCosts(CostModel({n: s / 100 for n, s in curve.items()}, {16: 1e-4}), context)
+        for v in views[:k]:
+            context.enter(v.seq_id)
+        choice = AdaptivePolicy(costs).choose(_offers(0.8, 15))
+        assert (choice.n_draft > 0) is drafts, choice.reason
+    finally:
+        for v in views:
+            v.close()
+
+
+def test_a_server_on_one_shared_context(shared, alone):
+    """Two slots of one context behind the real app: concurrent requests get the replies they get alone."""
+    for s in shared:
+        s.reset()
+    with running(create_app(shared[:2], ServerConfig(model_alias="smol"))) as (url, _):
+        def post(p):
+            r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                           json={"messages": ask(p), "max_tokens": N, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(post, PROMPTS[:2]))
+    ref = Session(n_ctx=1024)
+    try:
+        for p, text in zip(PROMPTS[:2], texts):
+            assert text == ref.chat(ask(p), max_tokens=N, temperature=0).text
+            ref.reset()
+    finally:
+        ref.close()
