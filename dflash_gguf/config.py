@@ -112,7 +112,7 @@ class GenerationConfig:
                                    "report each token's log-probability under the target and its n likeliest "
                                    "alternatives", parse=int)
     stop: tuple[str, ...] = setting((), strings, "strings that end the reply (not included in it)")
-    speculative: bool = setting(True, boolean, "draft and verify; False decodes plainly")
+    speculative: bool = setting(True, boolean, "draft and verify (off: decode plainly)", parse=bool)
     block_size: int | None = setting(None, optional(integer(1), "adaptive"),
                                      "fixed block size, drafts + 1 (default: adaptive, chosen per cycle)", parse=int)
     confidence_threshold: float | None = setting(

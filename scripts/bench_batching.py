@@ -1,0 +1,170 @@
+"""Many requests at once (issue 37): aggregate throughput of dflash-serve at concurrency 1, 2, 4, 8.
+
+Servers, each started as a subprocess on a free loopback port with --parallel P, measured one after the other:
+  per-slot   the server as it was before batching across slots (--baseline REV, run from a git worktree of that
+             commit, so no old code path stays in the tree): one context per slot, plain (--block-size 1)
+  plain      this tree: the slots are sequences of one context, --no-speculative
+  dflash     this tree, speculative (the cost model prices each block by its share of the batch)
+  upstream   llama-server -np P built from the vendored llama.cpp (--llama-server PATH), plain, if given
+For each concurrency C the C requests (distinct prompts, greedy, --max-tokens each) start together, --rounds
+times; tok/s is all completion tokens over the wall time. "8 at once / one at a time" divides the tok/s at the
+highest concurrency by the tok/s of the same requests sent one at a time (concurrency 1) to the same server.
+Every reply is compared with that server's reply to the same prompt at concurrency 1 (greedy): mismatches are
+counted, never hidden.
+
+    python scripts/bench_batching.py --baseline 2d83559 --parallel 8 --json batching.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test_server import PROMPTS, commit, free_port, rss_mib, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """A server process on a free port, stopped by stop()."""
+
+    def __init__(self, cmd: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 health: str = "/health") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], cwd=cwd, env=env, stderr=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"bench_batching: error: the server did not start ({' '.join(cmd)})")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, int]:
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "seed": 0}
+    r = await client.post("/v1/chat/completions", json=body)
+    r.raise_for_status()
+    data = r.json()
+    return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+
+
+async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+    """`rounds` rounds of `concurrency` requests started together; the replies by prompt."""
+    replies: dict[str, str] = {}
+    tokens = 0
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            prompts = [PROMPTS[(r * concurrency + i) % len(PROMPTS)] for i in range(concurrency)]
+            done = await asyncio.gather(*(one(client, p, max_tokens) for p in prompts))
+            for p, (text, n) in zip(prompts, done):
+                replies.setdefault(p, text)
+                tokens += n
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": rounds * concurrency, "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "replies": replies}
+
+
+def measure(name: str, server: Server, a: argparse.Namespace) -> dict:
+    try:
+        asyncio.run(level(server.url, a.parallel, 1, 4))  # warm-up: every slot, calibration
+        rss = rss_mib(server.proc.pid)
+        levels = [asyncio.run(level(server.url, c, a.rounds, a.max_tokens)) for c in a.concurrency]
+    finally:
+        server.stop()
+    alone = {}
+    for lv in levels:  # concurrency 1 first: the replies each prompt gets by itself
+        for p, text in lv["replies"].items():
+            alone.setdefault(p, text)
+    for lv in levels:
+        lv["mismatches"] = sum(text != alone[p] for p, text in lv.pop("replies").items())
+        print(f"{name:9} c={lv['concurrency']}: {lv['tokens_per_s']:6.1f} tok/s  ({lv['tokens']} tokens in "
+              f"{lv['wall_s']:.1f} s, replies differing from c=1: {lv['mismatches']})", flush=True)
+    first, last = levels[0], levels[-1]
+    return {"server": name, "rss_mib": rss, "levels": levels,
+            "at_once_over_one_at_a_time": last["tokens_per_s"] / first["tokens_per_s"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, help="CPU threads (every server; default: each one's own choice)")
+    p.add_argument("--baseline", help="the commit before batching across slots (its per-slot server is measured)")
+    p.add_argument("--llama-server", type=Path, help="upstream llama-server binary (-np P, plain), if measured")
+    p.add_argument("--only", default="per-slot,plain,dflash,upstream", help="which servers, comma-separated")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    if a.concurrency[0] != 1:
+        p.error("--concurrency must start with 1: the other levels are compared with it")
+    if max(a.concurrency) > a.parallel:
+        p.error("--concurrency above --parallel would measure the queue, not the slots")
+    only = set(a.only.split(","))
+    threads = ["--threads", str(a.threads)] if a.threads else []
+    ours = [sys.executable, "-m", "dflash_gguf.server.cli", "--parallel", str(a.parallel), "--queue", "64",
+            "--n-ctx", "1024", "--log-level", "warning", *threads]
+    out = {"commit": commit(), "baseline": a.baseline, "parallel": a.parallel, "max_tokens": a.max_tokens,
+           "rounds": a.rounds, "cpu_count": os.cpu_count(), "load_before": os.getloadavg(), "servers": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.baseline and "per-slot" in only:
+            tree = Path(tmp) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.baseline], cwd=ROOT, check=True,
+                           capture_output=True)
+            try:
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                out["servers"].append(measure("per-slot", Server([*ours, "--block-size", "1"], cwd=tree, env=env), a))
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+    if "plain" in only:
+        out["servers"].append(measure("plain", Server([*ours, "--no-speculative"]), a))
+    if "dflash" in only:
+        out["servers"].append(measure("dflash", Server(ours), a))
+    if a.llama_server and "upstream" in only:
+        from dflash_gguf import defaults
+
+        cmd = [str(a.llama_server), "-m", str(defaults.embedded_target()), "-np", str(a.parallel),
+               "-c", str(1024 * a.parallel), "-fa", "on", "--host", "127.0.0.1", *(["-t", str(a.threads)] if a.threads else [])]
+        out["servers"].append(measure("upstream", Server(cmd), a))
+    out["load_after"] = os.getloadavg()
+    print(f"\n| server | {' | '.join(f'c={c} tok/s' for c in a.concurrency)} | at once / one at a time | "
+          "replies differing | RSS MiB |")
+    print("|---|" + "---|" * (len(a.concurrency) + 3))
+    for s in out["servers"]:
+        cells = " | ".join(f"{lv['tokens_per_s']:.1f}" for lv in s["levels"])
+        print(f"| {s['server']} | {cells} | {s['at_once_over_one_at_a_time']:.2f}x | "
+              f"{sum(lv['mismatches'] for lv in s['levels'])} | {s['rss_mib']:.0f} |")
+    write_json(a.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
