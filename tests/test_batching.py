@@ -95,13 +95,13 @@ def test_sequences_are_handed_out_and_given_back():
         assert second.target.seq_id == 1 and second.target.shared is first.target.shared
         with pytest.raises(RuntimeError, match="all 2 sequences of the shared context are in use"):
             first.fork()
-        reply = second.generate("Once upon a time", max_tokens=4, temperature=0).tokens
+        reply = second.generate("Once upon a time", max_tokens=4, temperature=0, speculative=False).tokens
         held = second.target.pos_max(0)
         assert held >= 0 and first.target.pos_max(0) == -1  # one sequence's cells are not the other's
         second.close()
         third = first.fork()  # the freed id, with none of the closed sequence's cells
         assert third.target.seq_id == 1 and third.target.pos_max(0) == -1
-        assert third.generate("Once upon a time", max_tokens=4, temperature=0).tokens == reply
+        assert third.generate("Once upon a time", max_tokens=4, temperature=0, speculative=False).tokens == reply
         with pytest.raises(ValueError, match="sequence 0 to its callers"):
             third.target.remove(1, 0)
         with pytest.raises(ValueError, match="no other sequence"):
@@ -179,3 +179,22 @@ def test_a_server_on_one_shared_context(shared, alone):
             ref.reset()
     finally:
         ref.close()
+
+
+@pytest.mark.slow  # builds the lfm2 fixture
+def test_a_recurrent_target_keeps_a_context_per_sequence(hybrid_models):
+    """A hybrid target's rollback restores sequence 0 of a context of its own: sequences > 1 gives each
+    sequence such a context, says why, and still forks and decodes as sequences 1 would."""
+    path = hybrid_models.target("lfm2")
+    first = Session(path, drafter=None, lookup=False, n_ctx=256, sequences=2)
+    try:
+        assert not isinstance(first.target, SequenceTarget)
+        assert "recurrent" in first.batching_disabled_reason
+        second = first.fork()
+        assert second.batching_disabled_reason == first.batching_disabled_reason
+        with Session(path, drafter=None, lookup=False, n_ctx=256) as alone:
+            expected = alone.generate("Once upon a time", max_tokens=6, temperature=0, speculative=False).tokens
+        assert second.generate("Once upon a time", max_tokens=6, temperature=0, speculative=False).tokens == expected
+        second.close()
+    finally:
+        first.close()
