@@ -92,6 +92,7 @@ class SharedContext:
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
         self.shared_batches = 0  # those that held rows of two sequences or more
+        self.decode_s = 0.0  # their seconds in llama_decode
 
     # -- sequences -------------------------------------------------------------------------
     def sequence(self) -> "SequenceTarget":
@@ -213,6 +214,7 @@ class SharedContext:
             for r in taken:
                 r.error = e
         self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
+        self.decode_s += self.last.seconds
         self.batches += 1
         self.batched_rows += rows
         self.shared_batches += len(taken) > 1

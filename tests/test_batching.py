@@ -172,6 +172,10 @@ def test_a_server_on_one_shared_context(shared, alone):
 
         with ThreadPoolExecutor(2) as pool:
             texts = list(pool.map(post, PROMPTS[:2]))
+        metrics = httpx.get(url + "/metrics").text
+    context = shared[0].target.shared
+    assert f"dflash_batches_total {context.batches}" in metrics
+    assert f"dflash_batches_shared_total {context.shared_batches}" in metrics
     ref = Session(n_ctx=1024)
     try:
         for p, text in zip(PROMPTS[:2], texts):

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import jinja2
 from starlette.requests import Request
 
+from ..batching import SequenceTarget
 from ..chat import ChatTemplate, Turn, prepare_turn
 from ..chat.reasoning import Thinking
 from ..chat.reply import ReplyReader
@@ -79,6 +80,8 @@ class Engine:
         self.config = config
         self.metrics = metrics
         metrics.prompt_cache = sessions[0].prompt_cache  # shared by every slot (None: no prompt cache)
+        target = sessions[0].target
+        metrics.shared_context = target.shared if isinstance(target, SequenceTarget) else None  # the slots' one context
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
         first = sessions[0]

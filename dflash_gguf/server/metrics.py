@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..batching import SharedContext
 from ..prompt_cache import PromptCache
 from ..stats import GenerationStats
 
@@ -45,6 +46,7 @@ class Metrics:
         self.ttft_count = 0
         self.queue_seconds = 0.0
         self.prompt_cache: PromptCache | None = None  # the slots' shared cache: its sizes are read at scrape time
+        self.shared_context: SharedContext | None = None  # the slots' one target context, where they share one
         self.cache_lookups: Counter[str] = Counter()  # "ram", "disk", "miss": finished generations' lookups
         self.cache_restored_tokens = 0
         self.cache_restore_seconds = 0.0
@@ -111,6 +113,13 @@ class Metrics:
                [("_sum", self.ttft_seconds), ("_count", self.ttft_count)])
         if self.prompt_cache is not None:
             self._render_prompt_cache(metric, self.prompt_cache)
+        if self.shared_context is not None:
+            c = self.shared_context
+            metric("dflash_batches_total", "counter", "Target decodes of the slots' shared context.", [("", c.batches)])
+            metric("dflash_batches_shared_total", "counter", "Those holding rows of two slots or more.",
+                   [("", c.shared_batches)])
+            metric("dflash_batch_rows_total", "counter", "Rows of those decodes.", [("", c.batched_rows)])
+            metric("dflash_batch_seconds_total", "counter", "Time in those decodes.", [("", c.decode_s)])
         metric("dflash_queue_depth", "gauge", "Requests waiting for a slot.", [("", queue_depth)])
         metric("dflash_slots_busy", "gauge", "Slots generating now.", [("", slots_busy)])
         metric("dflash_slots", "gauge", "Slots (--parallel).", [("", slots)])
