@@ -26,11 +26,12 @@ The rules that keep each sequence's outputs valid:
 from __future__ import annotations
 
 import ctypes
+import enum
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import llama_cpp.llama_cpp as capi
 import numpy as np
@@ -56,14 +57,34 @@ class BatchRecord:
     seconds: float
 
 
-class _Request:
-    __slots__ = ("view", "n", "n_outputs", "t", "row", "out", "error", "done")
+class Stage(enum.IntEnum):
+    """What a gathered request decodes, in the order a cycle needs them: when every busy sequence has handed
+    something over, the earliest stage goes first, so that the sequences drafting this cycle reach the target
+    batch together with the ones stepping plainly."""
 
-    def __init__(self, view: "SequenceTarget", n: int, n_outputs: int) -> None:
-        self.view, self.n, self.n_outputs, self.t = view, n, n_outputs, time.monotonic()
-        self.row = self.out = 0
+    INJECT = 0  # committed target features into the drafter's KV cache
+    DRAFT = 1  # the drafter's block pass
+    TARGET = 2  # target rows: a prefill chunk, a plain step, a verify block
+
+
+_CONTEXT = {Stage.INJECT: "drafter", Stage.DRAFT: "drafter", Stage.TARGET: "target"}  # whose buffers a stage writes
+
+
+class Request:
+    """One sequence's rows for one stage: what the stage's runner decodes, and where its rows landed."""
+
+    __slots__ = ("seq", "stage", "n", "n_outputs", "payload", "t", "row", "out", "error", "done")
+
+    def __init__(self, seq: int, stage: Stage, n: int, n_outputs: int, payload: Any) -> None:
+        self.seq, self.stage, self.n, self.n_outputs, self.payload = seq, stage, n, n_outputs, payload
+        self.t = time.monotonic()
+        self.row = self.out = 0  # the first batch row and first output row that are this request's
         self.error: BaseException | None = None
         self.done = False
+
+
+Runner = Callable[[list[Request]], None]  # decodes the requests of one stage at once (the gather's lock held)
+Joins = Callable[[list[Request], Request], bool]  # whether a request can join those already taken
 
 
 class SharedContext:
@@ -86,8 +107,9 @@ class SharedContext:
         self._free = list(range(self.n_sequences))
         self._open: set[int] = set()
         self._busy: dict[int, int] = {}  # sequence -> cycles it is inside (nested holds count)
-        self._readers: set[int] = set()
-        self._pending: list[_Request] = []
+        self._readers: dict[str, set[int]] = {"target": set(), "drafter": set()}  # by whose buffers they read
+        self._pending: list[Request] = []
+        self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
@@ -110,11 +132,17 @@ class SharedContext:
             self._release(seq)
             raise
 
+    def serve(self, stage: Stage, runner: Runner, joins: Joins) -> None:
+        """Gather this stage's requests too (a drafter context shared by the same sequences)."""
+        with self._lock:
+            self._stages[stage] = (runner, joins)
+
     def _release(self, seq: int) -> None:
         """A sequence closed: its cells are freed, its id can be handed out again; the last one frees the context."""
         with self._changed:
             self._busy.pop(seq, None)
-            self._readers.discard(seq)
+            for readers in self._readers.values():
+                readers.discard(seq)
             if seq in self._open:
                 self._open.discard(seq)
                 if not self.owner.closed:
@@ -144,55 +172,76 @@ class SharedContext:
                 self._busy[seq] = left
                 return
             self._busy.pop(seq, None)
-            self._readers.discard(seq)
+            for readers in self._readers.values():
+                readers.discard(seq)
             self._changed.notify_all()
 
     def decode(self, view: "SequenceTarget", n: int, n_outputs: int) -> tuple[int, int]:
         """Decode the n rows staged in `view`'s batch buffers together with whatever else is gathered; returns
         (the first batch row, the first output row) that are this view's in that decode."""
-        req = _Request(view, n, n_outputs)
+        req = self.submit(view.seq_id, Stage.TARGET, n, n_outputs, view)
+        return req.row, req.out
+
+    def submit(self, seq: int, stage: Stage, n: int, n_outputs: int, payload: Any) -> Request:
+        """Hand over one sequence's rows for a stage and wait until they are decoded with the others' (the
+        caller's thread may be the one that decodes them); raises what the decode raised."""
+        req = Request(seq, stage, n, n_outputs, payload)
         with self._changed:
-            self._readers.discard(view.seq_id)
+            if stage not in self._stages:
+                raise RuntimeError(f"nothing decodes {stage.name} requests on this shared context")
             self._pending.append(req)
             self._changed.notify_all()
             while not req.done:
-                wait = self._wait_s()
+                stage_now, wait = self._next()
                 if wait == 0.0:
-                    self._flush()
+                    self._flush(stage_now)
                 else:
                     self._changed.wait(wait)
         if req.error is not None:
             raise req.error
-        return req.row, req.out
+        return req
 
-    def _wait_s(self) -> float | None:
-        """0 when a batch should go now; else how long to wait before looking again (None: until told)."""
+    def _next(self) -> tuple[Stage | None, float | None]:
+        """The stage whose batch should go now and 0; else (None, how long to wait before looking again,
+        None: until told)."""
         if not self._pending:
-            return None
-        handed = {r.view.seq_id for r in self._pending}
-        if self._readers - handed:
-            return None  # someone still reads the last batch's outputs: they will notify
-        if not set(self._busy) - handed:
-            return 0.0
-        left = self._pending[0].t + self.max_wait_s - time.monotonic()
-        return 0.0 if left <= 0 else left
+            return None, None
+        handed = {r.seq for r in self._pending}
+        free = sorted({r.stage for r in self._pending if not self._readers[_CONTEXT[r.stage]] - handed})
+        if not free:
+            return None, None  # someone still reads the outputs those batches would overwrite: they will notify
+        if set(self._busy) - handed:  # a busy sequence has not handed anything over yet
+            left = min(r.t for r in self._pending) + self.max_wait_s - time.monotonic()
+            if left > 0:
+                return None, left
+        return free[0], 0.0
 
-    def _flush(self) -> None:
-        """One llama_decode of the pending requests that fit one batch, in the order they came (lock held)."""
-        owner = self.owner
-        taken: list[_Request] = []
-        rows = 0
+    def _flush(self, stage: Stage) -> None:
+        """One batch of this stage's pending requests, in the order they came as far as they join (lock held)."""
+        runner, joins = self._stages[stage]
+        taken: list[Request] = []
         for r in self._pending:
-            if taken and not self._joins(taken, rows, r):
-                continue
-            taken.append(r)
-            rows += r.n
+            if r.stage == stage and (not taken or joins(taken, r)):
+                taken.append(r)
         self._pending = [r for r in self._pending if r not in taken]
-        taken.sort(key=lambda r: r.view.seq_id)  # libllama puts runs of consecutive ids in one micro-batch
+        taken.sort(key=lambda r: r.seq)  # libllama puts runs of consecutive ids in one micro-batch
+        try:
+            runner(taken)
+        except BaseException as e:
+            for r in taken:
+                r.error = e
+        self._readers[_CONTEXT[stage]] = {r.seq for r in taken if r.seq in self._busy and r.error is None}
+        for r in taken:
+            r.done = True
+        self._changed.notify_all()
+
+    def _decode_target(self, taken: list[Request]) -> None:
+        """The target stage: one llama_decode of every request's staged rows."""
+        owner = self.owner
         out = 0
         row = 0
         for r in taken:
-            v = r.view
+            v: SequenceTarget = r.payload
             owner._tok[row : row + r.n] = v._tok[: r.n]
             owner._pos[row : row + r.n] = v._pos[: r.n]
             owner._seq[row : row + r.n, 0] = v.seq_id
@@ -200,6 +249,7 @@ class SharedContext:
             r.row, r.out = row, out
             row += r.n
             out += r.n_outputs
+        rows = row
         owner._nseq[:rows] = 1
         owner._batch.n_tokens = rows
         t0 = time.perf_counter()
@@ -210,24 +260,18 @@ class SharedContext:
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, "
                                    "<-1: fatal)")
-        except BaseException as e:
-            for r in taken:
-                r.error = e
-        self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
-        self.decode_s += self.last.seconds
-        self.batches += 1
-        self.batched_rows += rows
-        self.shared_batches += len(taken) > 1
-        self._readers = {r.view.seq_id for r in taken if r.view.seq_id in self._busy and r.error is None}
-        for r in taken:
-            r.done = True
-        self._changed.notify_all()
+        finally:
+            self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
+            self.decode_s += self.last.seconds
+            self.batches += 1
+            self.batched_rows += rows
+            self.shared_batches += len(taken) > 1
 
-    def _joins(self, taken: list[_Request], rows: int, r: _Request) -> bool:
-        """Whether request r can join the batch: it fits, and neither it nor the batch is a run of
+    def _joins(self, taken: list[Request], r: Request) -> bool:
+        """Whether target rows can join the batch: they fit, and neither they nor the batch are a run of
         KERNEL_ROWS rows or more (a prefill chunk), which libllama would split across micro-batches with
         the others' rows and so compute with another kernel than alone."""
-        if rows + r.n > self.owner.n_batch:
+        if sum(t.n for t in taken) + r.n > self.owner.n_batch:
             return False
         return r.n < self.kernel_rows and all(t.n < self.kernel_rows for t in taken)
 
