@@ -110,6 +110,7 @@ class SharedContext:
         self._readers: dict[str, set[int]] = {"target": set(), "drafter": set()}  # by whose buffers they read
         self._pending: list[Request] = []
         self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
+        self.drafter_context: Any = None  # the drafter context its sequences share (drafter.SharedDraftContext)
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from llama_cpp import llama_cpp as capi
 
 from . import drafter_gguf, llama_ext
 from .backends import Placement, placement
+from .batching import Request, SequenceTarget, SharedContext, Stage
 from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .kinds import DFLASH2, DSPARK
@@ -189,27 +191,48 @@ class Drafter(NativeResource):
         self.mask_token_id = mask
 
         target.capture(self.layers)
-        threads = capi.llama_n_threads(target.ctx) if n_threads is None else n_threads
-        self._ctx = new_context(
-            model,
-            n_ctx=target.n_ctx_seq,
-            n_batch=target.n_batch,
-            n_threads=threads,
-            flash_attn=target.flash_attn,
-            ctx_other=target.ctx,
-            type_k=self.type_k,
-            type_v=self.type_v,
-        )
-        self._mem = capi.llama_get_memory(self._ctx)
-        self.n_ctx = capi.llama_n_ctx(self._ctx)
-        self.n_ubatch = capi.llama_n_ubatch(self._ctx)
         self.n_features = len(self.layers) * target.n_embd
-        capi.llama_set_causal_attn(self._ctx, self.causal)
-        if self.is_dflash2 or self.has_confidence_head:
-            # the selector lattice / DSpark's confidences come back through the unmasked nextn rows, one per block token
-            llama_ext.set_embeddings_nextn(self._ctx, True, False)
-        self._batch = capi.llama_batch_ext_init(self._ctx)
         self._pos = (capi.llama_pos * 4)()
+        # a sequence of a shared target context drafts in one drafter context shared the same way: its passes
+        # and injections are gathered with the other sequences' (batching.Stage.DRAFT / INJECT)
+        self._gather: SharedContext | None = target.shared if isinstance(target, SequenceTarget) else None
+        self.seq = target.seq_id if self._gather is not None else 0  # its sequence in the drafter context
+        shared = None if self._gather is None else self._gather.drafter_context
+        if shared is not None:
+            shared.users += 1
+            self._ctx, self._batch, self._context = shared.ctx, shared.batch, shared
+        else:
+            threads = capi.llama_n_threads(target.ctx) if n_threads is None else n_threads
+            n_seq = 1 if self._gather is None else self._gather.n_sequences
+            # unified: every sequence's block is one micro-batch (a non-causal block must not be cut), and the
+            # drafts' numerics decide only speed, never the output
+            self._ctx = new_context(
+                model,
+                n_ctx=target.n_ctx_seq * n_seq,
+                n_batch=target.n_batch,
+                n_seq_max=n_seq,
+                kv_unified=n_seq > 1,
+                n_threads=threads,
+                flash_attn=target.flash_attn,
+                ctx_other=target.ctx,
+                type_k=self.type_k,
+                type_v=self.type_v,
+            )
+            capi.llama_set_causal_attn(self._ctx, self.causal)
+            if self.is_dflash2 or self.has_confidence_head:
+                # the selector lattice / DSpark's confidences come back through the unmasked nextn rows, one per block token
+                llama_ext.set_embeddings_nextn(self._ctx, True, False)
+            self._batch = capi.llama_batch_ext_init(self._ctx)
+            self._context = None
+            if self._gather is not None:
+                self._context = SharedDraftContext(self._ctx, self._batch, self.mask_token_id, self.is_dflash2)
+                self._gather.drafter_context = self._context
+                self._gather.serve(Stage.INJECT, self._context.inject, self._context.joins_inject)
+                self._gather.serve(Stage.DRAFT, self._context.draft, self._context.joins_draft)
+        self._mem = capi.llama_get_memory(self._ctx)
+        # positions of one sequence (a shared context holds every sequence's, unified)
+        self.n_ctx = capi.llama_n_ctx(self._ctx) if self._gather is None else target.n_ctx_seq
+        self.n_ubatch = capi.llama_n_ubatch(self._ctx)
 
     # -- KV cache injection ----------------------------------------------------------------
     def inject(self, features: np.ndarray, positions: int) -> None:
@@ -224,6 +247,9 @@ class Drafter(NativeResource):
         start = int(positions)
         if start < 0 or start + n > self.n_ctx:
             raise ValueError(f"positions [{start}, {start + n}) outside the drafter context of {self.n_ctx}")
+        if self._gather is not None:
+            self._gather.submit(self.seq, Stage.INJECT, n, 0, (feats, start))
+            return
         row_bytes = self.n_features * 4
         base = feats.ctypes.data
         for off in range(0, n, self.n_ubatch):
@@ -264,29 +290,29 @@ class Drafter(NativeResource):
         if pos < 0 or pos + n_block > self.n_ctx:
             raise ValueError(f"block [{pos}, {pos + n_block}) outside the drafter context of {self.n_ctx}")
         self.last_confidences = None
-        capi.llama_batch_ext_clear(self._batch)
-        for i in range(n_block):
-            idx = capi.llama_batch_ext_add_token(self._batch, 0, last_token if i == 0 else self.mask_token_id)
-            if idx < 0:
-                raise RuntimeError(f"could not add block slot {i} to the drafter batch ({idx})")
-            self._set_pos(idx, pos + i)
-            capi.llama_batch_ext_set_output_logits(self._batch, idx, not self.is_dflash2)
-        try:
-            self._process("draft a block")
-        finally:
-            capi.llama_memory_seq_rm(self._mem, 0, pos, -1)
+        if self._gather is not None:
+            done = self._gather.submit(self.seq, Stage.DRAFT, n_block, n_block, (last_token, pos))
+            row, out = done.row, done.out
+        else:
+            row = out = 0
+            capi.llama_batch_ext_clear(self._batch)
+            _add_block(self._batch, 0, last_token, pos, n_block, self.mask_token_id, self.is_dflash2, self._pos)
+            try:
+                self._process("draft a block")
+            finally:
+                capi.llama_memory_seq_rm(self._mem, 0, pos, -1)
         if self.is_dflash2:
             ptr = llama_ext.get_embeddings_nextn(self._ctx)
             if not ptr:
                 raise RuntimeError("DFlash2 selector produced no lattice")
-            return np.ctypeslib.as_array(ptr, shape=(n_draft + 1, self.n_embd))[1:]
-        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(n_block, self.n_vocab))[lead:]
+            return np.ctypeslib.as_array(ptr, shape=(row + n_draft + 1, self.n_embd))[row + 1 :]
+        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(out + n_block, self.n_vocab))[out + lead :]
         if self.has_confidence_head:
             ptr = llama_ext.get_embeddings_nextn(self._ctx)
             if not ptr:
                 raise RuntimeError("DSpark confidence head produced no output")
             # each confidence is broadcast across an n_embd-wide row (dflash.cpp reuses the nextn output)
-            self.last_confidences = np.ctypeslib.as_array(ptr, shape=(n_block, self.n_embd))[lead:, 0].copy()
+            self.last_confidences = np.ctypeslib.as_array(ptr, shape=(row + n_block, self.n_embd))[row + lead :, 0].copy()
         if self.is_dspark:
             return logits  # the Markov chain needs the untransformed rows; propose() applies the transforms
         return self._output_transforms(logits)
@@ -362,24 +388,34 @@ class Drafter(NativeResource):
         return Proposal(tokens=tokens, q=q, q_ids=None if q is None else ids)
 
     # -- cache management ------------------------------------------------------------------
+    def _native(self) -> Any:
+        """Held around a C call on the drafter context: the gather's lock where sequences share it."""
+        return nullcontext() if self._gather is None else self._gather.native()
+
     def remove(self, p0: int, p1: int = -1) -> None:
         """Drop positions [p0, p1) from the drafter KV cache."""
         self._check_open()
-        if not capi.llama_memory_seq_rm(self._mem, 0, p0, p1):
-            raise RuntimeError(f"drafter llama_memory_seq_rm([{p0}, {p1})) failed")
+        with self._native():
+            if not capi.llama_memory_seq_rm(self._mem, self.seq, p0, p1):
+                raise RuntimeError(f"drafter llama_memory_seq_rm([{p0}, {p1})) failed")
 
     def pos_max(self) -> int:
         self._check_open()
-        return int(capi.llama_memory_seq_pos_max(self._mem, 0))
+        with self._native():
+            return int(capi.llama_memory_seq_pos_max(self._mem, self.seq))
 
     def clear(self) -> None:
         self._check_open()
+        if self._gather is not None:
+            self.remove(0, -1)  # this sequence's cells only
+            return
         capi.llama_memory_clear(self._mem, True)
 
     def save_state(self) -> bytes:
         """The drafter's KV cache (the injected target features' K/V), as llama_state_seq bytes."""
         self._check_open()
-        return state_seq_get(self._ctx, 0)
+        with self._native():
+            return state_seq_get(self._ctx, self.seq)
 
     def load_state(self, data: bytes) -> None:
         """Replace the drafter's KV cache with what save_state returned on a drafter like this one.
@@ -387,22 +423,100 @@ class Drafter(NativeResource):
         RuntimeError when libllama refuses it; the cache is then empty.
         """
         self._check_open()
-        try:
-            state_seq_set(self._ctx, data, 0)
-        except RuntimeError:
-            capi.llama_memory_seq_rm(self._mem, 0, 0, -1)
-            raise
+        with self._native():
+            try:
+                state_seq_set(self._ctx, data, self.seq)
+            except RuntimeError:
+                capi.llama_memory_seq_rm(self._mem, self.seq, 0, -1)
+                raise
 
     def close(self) -> None:
         """Free batch, context and this drafter's share of the model; a second call does nothing.
 
-        The target stays open; the model is freed with its last user (a fork keeps it alive).
+        The target stays open; the model is freed with its last user (a fork keeps it alive). A drafter
+        context shared by sequences goes with its last user; a sequence's cells go with it.
         """
         batch, ctx, model = getattr(self, "_batch", None), self._ctx, getattr(self, "_model", None)
+        context: SharedDraftContext | None = getattr(self, "_context", None)
+        mem, seq = self._mem, getattr(self, "seq", 0)
         self._batch = self._ctx = self._model = self._mem = None  # first, so no entry reaches freed memory
+        if context is not None:
+            with self._native():
+                if ctx is not None:
+                    capi.llama_memory_seq_rm(mem, seq, 0, -1)
+                context.users -= 1
+                last = context.users == 0
+            if last:
+                self._gather.drafter_context = None
+            else:
+                batch = ctx = None  # others still draft in it
         if batch:
             capi.llama_batch_ext_free(batch)
         if ctx is not None:
             capi.llama_free(ctx)
         if model:
             self._shared.release()
+
+
+def _add_block(batch: Any, seq: int, last_token: int, pos: int, n_block: int, mask_token: int, lattice: bool,
+               pos_buf: Any) -> None:
+    """[last, mask x (n_block - 1)] of one sequence at positions pos.. into an ext batch; logits for every slot
+    (DFlash2 reads its lattice from the nextn rows instead)."""
+    for i in range(n_block):
+        idx = capi.llama_batch_ext_add_token(batch, seq, last_token if i == 0 else mask_token)
+        if idx < 0:
+            raise RuntimeError(f"could not add block slot {i} to the drafter batch ({idx})")
+        pos_buf[0] = pos_buf[1] = pos_buf[2] = pos + i
+        capi.llama_batch_ext_set_pos(batch, idx, pos_buf)
+        capi.llama_batch_ext_set_output_logits(batch, idx, not lattice)
+
+
+class SharedDraftContext:
+    """One drafter context for every sequence of a shared target context (issue 37): the runners of the
+    gather's DRAFT and INJECT stages, which put every sequence's block, or feature rows, in one pass."""
+
+    def __init__(self, ctx: Any, batch: Any, mask_token: int, lattice: bool) -> None:
+        self.ctx, self.batch, self.mask_token, self.lattice = ctx, batch, mask_token, lattice
+        self.mem = capi.llama_get_memory(ctx)
+        self.n_ubatch = capi.llama_n_ubatch(ctx)
+        self.users = 1
+        self._pos = (capi.llama_pos * 4)()
+
+    def joins_draft(self, taken: list[Request], r: Request) -> bool:
+        """A non-causal block must not be cut across micro-batches: all blocks of a pass fit one."""
+        return sum(t.n for t in taken) + r.n <= self.n_ubatch
+
+    @staticmethod
+    def joins_inject(taken: list[Request], r: Request) -> bool:
+        return True  # feature rows are cut into micro-batches anyway
+
+    def draft(self, requests: list[Request]) -> None:
+        capi.llama_batch_ext_clear(self.batch)
+        row = 0
+        for r in requests:
+            last, pos = r.payload
+            _add_block(self.batch, r.seq, last, pos, r.n, self.mask_token, self.lattice, self._pos)
+            r.row = r.out = row  # every slot has an output row (logits, or the nextn row of a lattice)
+            row += r.n
+        try:
+            rc = capi.llama_process(self.ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+            if rc != 0:
+                raise RuntimeError(f"drafter llama_process failed to draft {len(requests)} blocks (code {rc})")
+        finally:
+            for r in requests:  # the noise K/V goes, every sequence's
+                capi.llama_memory_seq_rm(self.mem, r.seq, r.payload[1], -1)
+
+    def inject(self, requests: list[Request]) -> None:
+        rows = [(r.seq, feats, start, i) for r in requests for feats, start in [r.payload] for i in range(r.n)]
+        for off in range(0, len(rows), self.n_ubatch):
+            capi.llama_batch_ext_clear(self.batch)
+            for seq, feats, start, i in rows[off : off + self.n_ubatch]:
+                row_ptr = ctypes.cast(feats.ctypes.data + i * feats.shape[1] * 4, ctypes.POINTER(ctypes.c_float))
+                idx = capi.llama_batch_ext_add_embd(self.batch, seq, capi.llama_embd(row_ptr, 1, feats.shape[1]))
+                if idx < 0:
+                    raise RuntimeError(f"could not add feature row {i} to the drafter batch ({idx})")
+                self._pos[0] = self._pos[1] = self._pos[2] = start + i
+                capi.llama_batch_ext_set_pos(self.batch, idx, self._pos)
+            rc = capi.llama_process(self.ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self.batch)
+            if rc != 0:
+                raise RuntimeError(f"drafter llama_process failed to inject features (code {rc})")
