@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ((ROOT / "dflash_gguf", "dflash_gguf"), (ROOT / "tui", "dflash_gguf.tui"), (ROOT / "convert", "dflash_gguf.convert"))
 # the floors, lowest first (docs/DESIGN.md): a module may import its own floor and those below
 CHAT = ("dflash_gguf.chat",)
-FACE = ("dflash_gguf", "dflash_gguf.session", "dflash_gguf.llama_compat")
+FACE = ("dflash_gguf", "dflash_gguf.session", "dflash_gguf.result", "dflash_gguf.llama_compat")
 APPS = ("dflash_gguf.server", "dflash_gguf.tui", "dflash_gguf.bench", "dflash_gguf.train", "dflash_gguf.convert",
         "dflash_gguf.cli", "dflash_gguf.cli_parser", "dflash_gguf.doctor")
 # two-module circles other work removes (issue 34, items 6 and 7); this list may only shrink
