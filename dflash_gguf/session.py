@@ -1,4 +1,5 @@
-"""The public API: a target and its draft sources behind generate/stream/chat and llama_cpp-shaped methods."""
+"""The public API: a Session opens, forks and closes a target and its draft sources, locks, generates and runs
+chat turns; opening, speculation, prompt_cache_link, generation, result and llama_compat hold the rest."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from .chat.tool_calls import ToolPlan
 from .config import GenerationConfig, SessionOptions
 from .decoding import CacheState, TokensView
 from .drafter import Drafter
+from .generation import Generation, OneAtATime, SessionBusyError, check_prompt
 from .memory import TargetMemory, memory_for
 from .opening import default_drafter, fork_native, open_target
-from .generation import Generation, OneAtATime, SessionBusyError, check_prompt
 from .prompt_cache import PromptCache
 from .prompt_cache_link import PromptCacheLink, check_prompt_cache
 from .result import Result
@@ -56,16 +57,9 @@ class Session:
     a stream running while close() is called ends at its next cycle.
     """
 
-    def __init__(
-        self,
-        target: str | os.PathLike[str] | None = None,
-        drafter: str | os.PathLike[str] | None = None,
-        options: SessionOptions | None = None,
-        *,
-        sources: Sequence[DraftSource] = (),
-        prompt_cache: PromptCache | None = None,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, target: str | os.PathLike[str] | None = None, drafter: str | os.PathLike[str] | None = None,
+                 options: SessionOptions | None = None, *, sources: Sequence[DraftSource] = (),
+                 prompt_cache: PromptCache | None = None, **settings: Any) -> None:
         """`options` (or the defaults) with any SessionOptions field given by name, e.g. n_ctx=2048."""
         check_prompt_cache(prompt_cache)
         o = SessionOptions.build(options, **settings)
@@ -83,20 +77,11 @@ class Session:
         self._llama: llama_cpp.Llama | None = None
 
     @classmethod
-    def from_llama(
-        cls,
-        llama: llama_cpp.Llama,
-        drafter: str | os.PathLike[str] | None = None,
-        *,
-        n_threads: int | None = None,
-        wait: bool = True,
-        lookup: bool | None = None,
-        prompt_cache: PromptCache | None = None,
-    ) -> "Session":
+    def from_llama(cls, llama: llama_cpp.Llama, drafter: str | os.PathLike[str] | None = None, *,
+                   n_threads: int | None = None, wait: bool = True, lookup: bool | None = None,
+                   prompt_cache: PromptCache | None = None) -> "Session":
         """Wrap an existing llama_cpp.Llama: its model and context become the target (still owned by it).
-
-        Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README).
-        """
+        Create the Llama with flash_attn=True for greedy output identical to plain decoding (see README)."""
         o = SessionOptions.build(n_threads=n_threads, wait=wait, lookup=lookup)
         check_prompt_cache(prompt_cache)
         self = cls.__new__(cls)
@@ -137,6 +122,8 @@ class Session:
         self.tree_disabled_reason: str | None = spec.tree_disabled_reason  # tree_nodes asked for, blocks verified
         # the sources and what prices them, by the names the tests and benchmarks read them with
         self._sources, self._lookup, self._mtp = spec.sources, spec.lookup, spec.mtp
+        # whether lookup drafts (n-gram matches over prompt and output) and the target's own MTP heads are sources
+        self.lookup, self.mtp = spec.lookup is not None, spec.mtp is not None
         self._controller, self._verify_costs = spec.controller, spec.verify_costs
         self._cache_link = PromptCacheLink(prompt_cache, target, self.memory, self._cache, spec, self._forget)
 
@@ -212,10 +199,8 @@ class Session:
 
     def reset(self) -> None:
         """Forget every cache, so that the next generation prefills its whole prompt (benchmarks want that).
-
-        The prompt cache, shared with other Sessions, is not this Session's to forget: PromptCache.clear() empties it.
-
-        Like a generation, it waits for one running on another thread (or raises SessionBusyError, wait=False).
+        The prompt cache, shared with other Sessions, is not this Session's to forget: PromptCache.clear() empties
+        it. Like a generation, it waits for one running on another thread (or raises SessionBusyError, wait=False).
         """
         self._check_open()
         with self._one_at_a_time, self._native:
@@ -250,11 +235,6 @@ class Session:
                     return
                 self.last_stats = generation.finish(self.placement, self.drafter_placement)
 
-    # -- the prompt cache (what is stored and restored: prompt_cache_link) ----------------------
-    @property
-    def prompt_cache(self) -> PromptCache | None:
-        return self._cache_link.cache
-
     def _start(self, tokens: list[int], config: GenerationConfig) -> Generation:
         """One generation on this Session's parts, after a wrapped Llama's own decoding is accounted for."""
         if self._llama is not None:
@@ -274,14 +254,9 @@ class Session:
             raise SessionClosedError("this Session is closed")
 
     @property
-    def lookup(self) -> bool:
-        """Whether lookup drafts (n-gram matches over prompt and output) are among this Session's sources."""
-        return self._lookup is not None
-
-    @property
-    def mtp(self) -> bool:
-        """Whether the target's own MTP heads draft among this Session's sources (mtp.MTPSource)."""
-        return self._mtp is not None
+    def prompt_cache(self) -> PromptCache | None:
+        """The PromptCache this Session restores from and stores in (prompt_cache_link), or None."""
+        return self._cache_link.cache
 
     @property
     def calibration_source(self) -> str | None:
@@ -340,11 +315,8 @@ class Session:
         parallel_tool_calls: bool | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
         **settings: Any
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF;
-        logprobs=True (with top_logprobs=n alternatives) fills choices[0].logprobs.content as llama_cpp does.
-        With tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason
-        "tool_calls", and a thinking template's thought in message.reasoning_content; without tools the reply
-        is llama_cpp's, thought included in the content."""
+        """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF; with
+        tools or logprobs, as llama_compat.create_chat_completion says."""
         return llama_compat.create_chat_completion(
             self, messages, stream=stream, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs, **settings)
@@ -357,10 +329,8 @@ class Session:
     def close(self) -> None:
         """Free the drafter and, unless wrapped from a Llama, the target; a running stream ends at its next cycle.
         Then wait for the prompt cache's queued disk writes, so that what this Session stored is on disk for
-        the next process (or Session) that opens the directory.
-
-        Safe to call twice, and from another thread: it waits for the cycle in progress, never for the stream.
-        """
+        the next process (or Session) that opens the directory. Safe to call twice, and from another thread:
+        it waits for the cycle in progress, never for the stream."""
         with self._native:
             if self._closed:
                 return

@@ -130,6 +130,18 @@ def _functions_calling(names: set[str]) -> dict[str, set[str]]:
     return out
 
 
+def test_the_session_is_a_few_hundred_lines_of_its_own_code():
+    """Issue 34's wall: session.py holds at most 350 lines, and its class has no base that brings methods from
+    elsewhere (the speculation wiring, the prompt-cache link and a generation's bookkeeping are objects it
+    holds, each in a module of its own)."""
+    path = ROOT / "dflash_gguf" / "session.py"
+    assert len(path.read_text().splitlines()) <= 350
+    classes = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+    assert classes["Session"].bases == []
+    assert {"speculation", "prompt_cache_link", "generation", "opening", "result"} <= {
+        m.rpartition(".")[2] for m in _imports("dflash_gguf.session", path, _modules())}
+
+
 def test_a_chat_turn_is_assembled_in_exactly_one_function():
     """Rendering the template and tokenizing what it rendered happen together in one function, prepare_turn;
     the turn's config (grammar after the thought, the family's stops) is built only there; the Session and
