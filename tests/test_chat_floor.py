@@ -246,7 +246,8 @@ def test_a_tool_call_family_is_one_file_and_one_registry_line(tmp_path, monkeypa
     import importlib.util
 
     from dflash_gguf.chat import families
-    from dflash_gguf.chat.tool_calls import ToolStream, detect_family, plan_tools
+    from dflash_gguf.chat.reply import ReplyReader
+    from dflash_gguf.chat.tool_calls import detect_family, plan_tools
 
     (tmp_path / "toy_family.py").write_text(TOY_FAMILY)
     spec = importlib.util.spec_from_file_location("toy_family", tmp_path / "toy_family.py")
@@ -259,7 +260,7 @@ def test_a_tool_call_family_is_one_file_and_one_registry_line(tmp_path, monkeypa
     plan = plan_tools(template, [TOOL_SMALL], "required")
     assert plan.family.name == "toy" and plan.forced and "<<call>>" in plan.grammar
     reply = 'Sure.<<call>>{"name": "get_weather", "arguments": {"city": "Paris"}}<</call>>'
-    stream = ToolStream(plan)
+    stream = ReplyReader(None, plan)
     pieces = [p for i in range(0, len(reply), 7) for p in stream.feed(reply[i:i + 7])] + stream.finish()
     assert [(c.name, c.arguments) for c in stream.calls] == [("get_weather", {"city": "Paris"})]
     assert "".join(p for p in pieces if isinstance(p, str)) == "Sure."
