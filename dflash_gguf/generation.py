@@ -3,7 +3,7 @@ bookkeeping (the sources and policy its config asks for, the cached prefix resto
 every Step counted into the stats, the state stored at the end).
 
 The Session takes its locks around each call (one generation at a time, one cycle in C at a time, close()
-between cycles); `Generation` takes none.
+between cycles); `GenerationRun` takes none.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .stats import GenerationStats, StatsBuilder
 from .steps import Step
 from .target import Target
 
-__all__ = ["Generation", "OneAtATime", "SessionBusyError", "check_prompt"]
+__all__ = ["GenerationRun", "OneAtATime", "SessionBusyError", "check_prompt"]
 
 
 class SessionBusyError(RuntimeError):
@@ -52,7 +52,7 @@ class OneAtATime:
         self._lock.release()
 
 
-class Generation:
+class GenerationRun:
     """decode_steps for `tokens` with the Session's caches (`state`, `memory`), its sources and its prompt
     cache; `next()` gives the next Step, `finish()` stores the end state and gives the stats.
 

@@ -17,7 +17,7 @@ from .chat.tool_calls import ToolPlan
 from .config import GenerationConfig, SessionOptions
 from .decoding import CacheState, TokensView
 from .drafter import Drafter
-from .generation import Generation, OneAtATime, SessionBusyError, check_prompt
+from .generation import GenerationRun, OneAtATime, SessionBusyError, check_prompt
 from .memory import TargetMemory, memory_for
 from .opening import default_drafter, fork_native, open_target
 from .prompt_cache import PromptCache
@@ -235,13 +235,13 @@ class Session:
                     return
                 self.last_stats = generation.finish(self.placement, self.drafter_placement)
 
-    def _start(self, tokens: list[int], config: GenerationConfig) -> Generation:
+    def _start(self, tokens: list[int], config: GenerationConfig) -> GenerationRun:
         """One generation on this Session's parts, after a wrapped Llama's own decoding is accounted for."""
         if self._llama is not None:
             if self._llama.n_tokens:
                 self._forget()  # the wrapped Llama decoded in between: our cached prefix is gone
             self._llama.reset()  # and it must not trust its own prefix once we have used the context
-        return Generation(self.target, tokens, config, self._cache, self.memory, self._speculation, self._cache_link)
+        return GenerationRun(self.target, tokens, config, self._cache, self.memory, self._speculation, self._cache_link)
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)

@@ -107,7 +107,7 @@ class Speculation:
         """The sources, the policy (None: plain decoding) and the constraint one generation decodes with;
         the first time, the policy's costs are measured (which empties the caches)."""
         if config.speculative and not self.sources and not self.warned_plain:
-            # stacklevel: past Generation, Session._start and _steps, to the caller of the code iterating the stream
+            # stacklevel: past GenerationRun, Session._start and _steps, to the caller of the code iterating the stream
             warnings.warn(f"{self.disabled_reason or 'this Session has no drafter'}: decoding plainly", stacklevel=6)
             self.warned_plain = True
         policy = self.policy(config) if config.speculative and self.sources else None
