@@ -51,7 +51,11 @@ def create_completion(session: Session, prompt: str, *, stream: bool = False,
 def create_chat_completion(session: Session, messages: Sequence[Mapping[str, Any]], *, stream: bool = False,
                            tools: Any = None, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                            chat_template_kwargs: Any = None, **settings: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
-    """llama_cpp.Llama.create_chat_completion's dict (or chunk stream); see Session.create_chat_completion."""
+    """llama_cpp.Llama.create_chat_completion's dict (or chunk stream), chat template from the GGUF;
+    logprobs=True (with top_logprobs=n alternatives) fills choices[0].logprobs.content as llama_cpp does.
+    With tools, the calls come back in message.tool_calls (streamed: delta.tool_calls), finish_reason
+    "tool_calls", and a thinking template's thought in message.reasoning_content; without tools the reply
+    is llama_cpp's, thought included in the content."""
     request = ChatRequest(messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs,
                           settings=_chat_logprobs(_llama_max_tokens(settings)))
     turn = session.prepare_chat(request, LLAMA_CHAT_DEFAULTS)

@@ -370,6 +370,9 @@ def describe_context(ctx: capi.llama_context_p) -> dict[str, int]:
 class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
+    # why this context is not a sequence of a shared one where SessionOptions.sequences > 1 asked for that
+    batching_disabled_reason: str | None = None
+
     def __init__(
         self,
         model: capi.llama_model_p,
@@ -1012,12 +1015,14 @@ class Target(NativeResource):
         except BaseException:
             shared.release()
             raise
-        return Target(
+        forked = Target(
             self._model, ctx, owned=True, path=self.path, n_gpu_layers=self.n_gpu_layers,
             flash_attn=self.flash_attn, shared=shared, type_k=self.type_k, type_v=self.type_v,
             mtp_loaded=self.n_mtp_heads > 0,
             kv_unified=kv_unified,
         )
+        forked.batching_disabled_reason = self.batching_disabled_reason
+        return forked
 
     def set_threads(self, n_threads: int) -> None:
         """Threads for single-token and batch decodes of this context."""

@@ -45,14 +45,18 @@ TOOLS = [
 ]
 
 
+# the Session and its rooms (session.py alone was about 9,700 tokens before issue 34 split it)
+SESSION_SOURCES = ("session.py", "speculation.py", "prompt_cache_link.py", "generation.py", "opening.py")
+
+
 def agent_prompt(session: Session, n_tokens: int) -> list[int]:
-    """System prompt, tool definitions and as much of a source file as brings it to about n_tokens."""
-    source = Path(__file__).resolve().parents[1] / "dflash_gguf" / "session.py"
+    """System prompt, tool definitions and as much of the Session's source as brings it to about n_tokens."""
+    package = Path(__file__).resolve().parents[1] / "dflash_gguf"
     head = ("<|im_start|>system\nYou are a coding agent working in a Python repository. Use the tools to read and "
             "change files; answer briefly.\n\nTools:\n" + "\n".join(json.dumps(t) for t in TOOLS)
-            + "\n<|im_end|>\n<|im_start|>user\nHere is session.py:\n\n")
+            + "\n<|im_end|>\n<|im_start|>user\nHere is session.py and the modules it holds its parts in:\n\n")
     tail = "\n\nWhat does Session.reset do?<|im_end|>\n<|im_start|>assistant\n"
-    text = source.read_text()
+    text = "\n\n".join((package / name).read_text() for name in SESSION_SOURCES)
     body = session.target.tokenize(head + text + tail)
     while len(body) > n_tokens and text:
         text = text[: int(len(text) * n_tokens / len(body) * 0.98)]

@@ -193,9 +193,9 @@ def test_a_recurrent_target_keeps_a_context_per_sequence(hybrid_models):
     first = Session(path, drafter=None, lookup=False, n_ctx=256, sequences=2)
     try:
         assert not isinstance(first.target, SequenceTarget)
-        assert "recurrent" in first.batching_disabled_reason
+        assert "recurrent" in first.target.batching_disabled_reason
         second = first.fork()
-        assert second.batching_disabled_reason == first.batching_disabled_reason
+        assert second.target.batching_disabled_reason == first.target.batching_disabled_reason
         with Session(path, drafter=None, lookup=False, n_ctx=256) as alone:
             expected = alone.generate("Once upon a time", max_tokens=6, temperature=0, speculative=False).tokens
         assert second.generate("Once upon a time", max_tokens=6, temperature=0, speculative=False).tokens == expected

@@ -49,15 +49,17 @@ def test_templates_without_a_thought_have_no_thinking():
 
 
 def split(thinking: Thinking, chunks: list[str]) -> tuple[str, str, list[str], list[str]]:
-    stream = thinking.stream()
+    """The thought and answer the reply reader gives, whole and per chunk (the last: what finish() gave)."""
+    reader = ReplyReader(thinking, None)
+
+    def parts(pieces: list) -> tuple[str, str]:
+        return "".join(p.text for p in pieces if isinstance(p, Thought)), "".join(p for p in pieces if isinstance(p, str))
+
     thoughts, answers = [], []
-    for chunk in chunks:
-        thought, answer = stream.feed(chunk)
+    for pieces in [*(reader.feed(chunk) for chunk in chunks), reader.finish()]:
+        thought, answer = parts(pieces)
         thoughts.append(thought)
         answers.append(answer)
-    thought, answer = stream.finish()
-    thoughts.append(thought)
-    answers.append(answer)
     return "".join(thoughts), "".join(answers), thoughts, answers
 
 

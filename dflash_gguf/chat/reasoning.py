@@ -35,8 +35,24 @@ class Thinking:
     end: str
     opened: bool
 
-    def stream(self) -> "ThoughtStream":
-        return ThoughtStream(self)
+    def split(self, reply: str, final: bool) -> tuple[str, str]:
+        """(the thought, the answer) of a reply so far; unless it is `final`, what could still be a marker is
+        held back until it is one or is not. Whitespace around the markers is the template's layout, not the
+        model's words: the thought comes without the blank lines around it, the answer without those before it.
+        A longer reply's split extends a shorter one's (chat.reply.ReplyReader gives out the difference)."""
+        text = reply
+        if not self.opened:
+            lead = text.lstrip()
+            if not final and self.start.startswith(lead):
+                return "", ""  # the reply may still open a thought
+            if not lead.startswith(self.start):
+                return "", text  # it did not: all of it is the answer
+            text = lead[len(self.start):]
+        end = text.find(self.end)
+        if end >= 0:
+            return text[:end].strip(), text[end + len(self.end):].lstrip()
+        thought = text.lstrip()
+        return (thought if final else thought[:hold_back(thought, self.end)]).rstrip(), ""
 
     def constrain_after(self, reply: str) -> LarkGrammar:
         """A grammar for a reply whose thought comes first: the thought is free text up to the end marker, then
@@ -103,45 +119,3 @@ def json_answer(schema: str) -> LarkGrammar:
     """A JSON schema's text as a Lark grammar (its `start` rule), for Thinking.constrain_after."""
     return LarkGrammar(f"/[ \\t\\n]{{0,8}}/ {json_rule(schema)}")
 
-
-class ThoughtStream:
-    """Feed a reply's text as it comes; get the new thought and the new answer text each time, each given out
-    once and in order. The whole reply is read again on each feed (replies are short next to the decode).
-
-    Whitespace around the markers is the template's layout, not the model's words: the thought is given without
-    the blank lines around it and the answer without those before it. What could still be a marker is held back
-    until it is one or is not."""
-
-    def __init__(self, thinking: Thinking) -> None:
-        self.thinking = thinking
-        self._text = ""
-        self.thought = ""  # given out so far
-        self.answer = ""
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self._text += text
-        return self._give(*self._split(final=False))
-
-    def finish(self) -> tuple[str, str]:
-        """What was held back, once the reply has ended."""
-        return self._give(*self._split(final=True))
-
-    def _give(self, thought: str, answer: str) -> tuple[str, str]:
-        new = thought[len(self.thought):], answer[len(self.answer):]
-        self.thought, self.answer = thought, answer  # each split extends the one before
-        return new
-
-    def _split(self, final: bool) -> tuple[str, str]:
-        t, text = self.thinking, self._text
-        if not t.opened:
-            lead = text.lstrip()
-            if not final and t.start.startswith(lead):
-                return "", ""  # the reply may still open a thought
-            if not lead.startswith(t.start):
-                return "", text  # it did not: all of it is the answer
-            text = lead[len(t.start):]
-        end = text.find(t.end)
-        if end >= 0:
-            return text[:end].strip(), text[end + len(t.end):].lstrip()
-        thought = text.lstrip()
-        return (thought if final else thought[:hold_back(thought, t.end)]).rstrip(), ""

@@ -1,6 +1,6 @@
 """A reply's text as the APIs give it back: its thought, its answer text and its tool calls, in pieces as it
-streams. The thought is split off first (reasoning.ThoughtStream); the answer then goes through the tool-call
-reader (tool_calls.ToolStream), so a call the model only thinks about is never read as one."""
+streams, read by one machine. The thought is split off first (Thinking.split), so a call the model only
+thinks about is never read as one; the answer's calls are read by the template's tool family."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .reasoning import Thinking
-from .tool_calls import CallDelta, ToolCall, ToolPlan
+from .tool_calls import CallDelta, ToolCall, ToolPlan, call_arguments
 from .tool_calls import openai_delta as tool_delta
 
 
@@ -23,35 +23,39 @@ Piece = Thought | str | CallDelta  # str: answer text
 
 
 class ReplyReader:
-    """Feed the reply's text as it comes; get its pieces, each given once, in order."""
+    """Feed the reply's text as it comes; get its pieces, each given once, in order.
+
+    Each feed reads the whole reply again (replies are short next to the decode): the thought and the answer
+    it splits into, then the answer's content and calls as the family parses them; what is new since the last
+    feed is given out, and what could still become a marker or a call's opener is held back until it is one
+    or is not. Without a thinking template all of the reply is answer; without tools to parse, all of the
+    answer is content.
+    """
 
     def __init__(self, thinking: Thinking | None, tools: ToolPlan | None) -> None:
-        self._thoughts = thinking.stream() if thinking is not None else None
-        self._calls = tools.stream() if tools is not None and tools.parses else None
-        self.thought = ""
-        self._answer = ""
+        self._thinking = thinking
+        self._plan = tools if tools is not None and tools.parses else None
+        self._schemas = self._plan.schemas if self._plan is not None else {}
+        self._text = ""  # the reply so far
+        self.thought = ""  # the thought given out
+        self._answer = ""  # the answer the thought's split has released
+        self._content = 0  # answer characters given out as content
+        self._args: list[int] = []  # per call, argument characters given out
+        self._ids: list[str] = []
+        self.calls: list[ToolCall] = []  # the calls finished so far
 
     @property
     def content(self) -> str:
         """The answer text given out so far (after finish(): the reply's text around its calls)."""
-        return self._calls.content if self._calls is not None else self._answer
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self._calls.calls if self._calls is not None else []
+        return self._answer[: self._content]
 
     def feed(self, text: str) -> list[Piece]:
-        if self._thoughts is None:
-            return self._answer_pieces(text, final=False)
-        thought, answer = self._thoughts.feed(text)
-        return self._thought(thought) + self._answer_pieces(answer, final=False)
+        self._text += text
+        return self._read(final=False)
 
     def finish(self) -> list[Piece]:
         """Whatever was held back, once the reply has ended."""
-        if self._thoughts is None:
-            return self._answer_pieces("", final=True)
-        thought, answer = self._thoughts.finish()
-        return self._thought(thought) + self._answer_pieces(answer, final=True)
+        return self._read(final=True)
 
     def read(self, text: str) -> tuple[str, str | None, list[ToolCall]]:
         """A whole reply as its thought, its answer text (None when the reply is only calls, as OpenAI gives
@@ -60,16 +64,40 @@ class ReplyReader:
         self.finish()
         return self.thought, self.content or (None if self.calls else ""), self.calls
 
-    def _thought(self, text: str) -> list[Piece]:
-        self.thought += text
-        return [Thought(text)] if text else []
+    def _read(self, final: bool) -> list[Piece]:
+        thought, self._answer = ("", self._text) if self._thinking is None else self._thinking.split(self._text, final)
+        out: list[Piece] = [Thought(thought[len(self.thought):])] if len(thought) > len(self.thought) else []
+        self.thought = thought  # each split extends the one before
+        out += self._answer_pieces(final=False)
+        return out + self._answer_pieces(final=True) if final else out
 
-    def _answer_pieces(self, text: str, final: bool) -> list[Piece]:
-        if self._calls is None:
-            self._answer += text
-            return [text] if text else []
-        pieces: list[Piece] = list(self._calls.feed(text))
-        return pieces + self._calls.finish() if final else pieces
+    def _answer_pieces(self, final: bool) -> list[Piece]:
+        """The answer's new content (str) and call pieces (CallDelta); trailing whitespace waits, as before a
+        call it is the call's separator, not content."""
+        if self._plan is None:
+            new = self._answer[self._content:]
+            self._content = len(self._answer)
+            return [new] if new else []
+        parsed = self._plan.family.parse(self._answer, self._schemas)
+        content = self._answer if final and not parsed.calls else parsed.content.rstrip()
+        out: list[Piece] = []
+        if not self._args and len(content) > self._content:
+            out.append(content[self._content:])
+            self._content = len(content)
+        for i, (name, args, done) in enumerate(parsed.calls):
+            if i == len(self._args):
+                self._ids.append(self._plan.family.call_id())
+                self._args.append(0)
+                out.append(CallDelta(i, id=self._ids[i], name=name))
+            if len(args) > self._args[i]:
+                if out and isinstance(out[-1], CallDelta) and out[-1].index == i:
+                    out[-1].arguments += args[self._args[i]:]
+                else:
+                    out.append(CallDelta(i, arguments=args[self._args[i]:]))
+                self._args[i] = len(args)
+            if done and i == len(self.calls):
+                self.calls.append(ToolCall(self._ids[i], name, call_arguments(args)))
+        return out
 
 
 def openai_delta(piece: Piece) -> dict[str, Any]:

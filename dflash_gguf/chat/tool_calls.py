@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..checks import SettingError
 from ..constraints import check_schema_depth, compile_grammar
@@ -21,7 +21,7 @@ from .families import FAMILIES, detect_family, no_tools_reason
 from .families.base import NAME, Family, tool_schema
 
 __all__ = [
-    "FAMILIES", "CallDelta", "Family", "ToolCall", "ToolError", "ToolPlan", "ToolStream", "detect_family",
+    "FAMILIES", "CallDelta", "Family", "ToolCall", "ToolError", "ToolPlan", "call_arguments", "detect_family",
     "no_tools_reason", "openai_delta", "plan_tools", "prepare_messages",
 ]
 
@@ -114,9 +114,6 @@ class ToolPlan:
     @property
     def schemas(self) -> dict[str, Any]:
         return {t["function"]["name"]: t["function"]["parameters"] for t in self.tools}
-
-    def stream(self) -> "ToolStream":
-        return ToolStream(self)
 
 
 def plan_tools(template: str | None, tools: Any, tool_choice: Any = None, parallel_tool_calls: bool | None = None,
@@ -212,72 +209,14 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": dict(args)}}
 
 
-# -- reading a reply as it streams ---------------------------------------------------------------------------
-class ToolStream:
-    """Feed the reply's text as it comes; get content text and call pieces, each emitted once, in order.
-
-    The family reparses the whole reply on each feed (replies are short next to the decode), and the
-    difference from what was already given out is the new content or the new argument text.
-    """
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self._schemas = plan.schemas
-        self._text = ""
-        self._content = 0  # content characters given out
-        self._args: list[int] = []  # per call, argument characters given out
-        self.calls: list[ToolCall] = []
-        self._ids: list[str] = []
-
-    @property
-    def content(self) -> str:
-        """The content given out so far (after finish(): the reply's text around its calls)."""
-        return self._text[: self._content]
-
-    def feed(self, text: str) -> Iterator[str | CallDelta]:
-        """The new content (str) and call pieces (CallDelta) that `text` completes."""
-        self._text += text
-        return iter(self._emit(final=False))
-
-    def finish(self) -> list[str | CallDelta]:
-        """Whatever was held back (a partial opener that never became a call), once the reply has ended."""
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> list[str | CallDelta]:
-        if not self.plan.parses:
-            out = [self._text[self._content:]] if len(self._text) > self._content else []
-            self._content = len(self._text)
-            return out
-        parsed = self.plan.family.parse(self._text, self._schemas)
-        # trailing whitespace waits: before a call it is the call's separator, not content
-        content = self._text if final and not parsed.calls else parsed.content.rstrip()
-        out: list[str | CallDelta] = []
-        if not self._args and len(content) > self._content:
-            out.append(content[self._content:])
-            self._content = len(content)
-        for i, (name, args, done) in enumerate(parsed.calls):
-            if i == len(self._args):
-                self._ids.append(self.plan.family.call_id())
-                self._args.append(0)
-                out.append(CallDelta(i, id=self._ids[i], name=name))
-            if len(args) > self._args[i]:
-                if out and isinstance(out[-1], CallDelta) and out[-1].index == i:
-                    out[-1].arguments += args[self._args[i]:]
-                else:
-                    out.append(CallDelta(i, arguments=args[self._args[i]:]))
-                self._args[i] = len(args)
-            if done and i == len(self.calls):
-                self.calls.append(ToolCall(self._ids[i], name, _arguments(args)))
-        return out
-
-
-def _arguments(text: str) -> dict[str, Any]:
+def call_arguments(text: str) -> dict[str, Any]:
+    """A finished call's arguments (their JSON text, held to the tool's schema by the grammar) as a dict."""
     value = json.loads(text)
     return value if isinstance(value, dict) else {}
 
 
 def openai_delta(piece: str | CallDelta) -> dict[str, Any]:
-    """A ToolStream piece as an OpenAI chat chunk's delta: content text, or one `tool_calls` entry (its
+    """A reply reader's answer piece as an OpenAI chat chunk's delta: content text, or one `tool_calls` entry (its
     first carries the id, type and name; the later ones fragments of the arguments' JSON)."""
     if isinstance(piece, str):
         return {"content": piece}
