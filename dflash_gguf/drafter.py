@@ -438,7 +438,7 @@ class Drafter(NativeResource):
         """
         batch, ctx, model = getattr(self, "_batch", None), self._ctx, getattr(self, "_model", None)
         context: SharedDraftContext | None = getattr(self, "_context", None)
-        mem, seq = self._mem, getattr(self, "seq", 0)
+        mem, seq = getattr(self, "_mem", None), getattr(self, "seq", 0)
         self._batch = self._ctx = self._model = self._mem = None  # first, so no entry reaches freed memory
         if context is not None:
             with self._native():
