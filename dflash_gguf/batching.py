@@ -37,7 +37,6 @@ import llama_cpp.llama_cpp as capi
 import numpy as np
 
 from . import llama_ext
-from .controller import CostModel, TimingKind
 from .target import ClosedError, Target, state_seq_get, state_seq_set
 
 DEFAULT_MAX_WAIT_S = 0.05  # what a batch waits, at most, for a busy generation's rows
@@ -412,39 +411,3 @@ class SequenceTarget(Target):
         super().close()
         self.shared._release(self.seq_id)
 
-
-class BatchPricedCosts(CostModel):
-    """A cost model that prices one sequence's share of the shared batch (issue 37).
-
-    With k generations decoding at once, each choosing blocks of n rows, a cycle is one batch of about k * n
-    rows: a sequence's share of it is t(k * n) / k, and plain decoding's t(k) / k. Where t is flat in rows (a
-    GPU), blocks cost little more than plain steps at any k and stay long; where it climbs (this CPU: 16 rows
-    cost 11.5 steps) the extra rows of k blocks cost k times over and blocks shrink to plain steps as k grows,
-    coming back when the load falls. t is the calibrated table of this machine (linear past its last point).
-    A cycle's own timing is the whole batch's, others' rows included, so verify and plain timings are not
-    folded into the table while others decode with it; drafts and rollbacks are this sequence's own.
-    """
-
-    def __init__(self, costs: CostModel, shared: SharedContext) -> None:
-        self.__dict__.update(costs.__dict__)  # the same tables: what one learns, the other sees
-        self.shared = shared
-
-    def verify_s(self, n_tokens: int) -> float:
-        k = max(1, self.shared.busy)
-        rollback = self.rollback.seconds(n_tokens) if self.rollback else 0.0
-        return self.target.seconds(k * n_tokens) / k + rollback
-
-    @property
-    def plain_s(self) -> float:
-        k = max(1, self.shared.busy)
-        return self.target.seconds(k) / k
-
-    def observe(self, kind: TimingKind, n_tokens: int, seconds: float) -> None:
-        if kind in ("verify", "plain") and self.shared.busy > 1:
-            return
-        super().observe(kind, n_tokens, seconds)
-
-
-def batch_priced(costs: CostModel, target: Target) -> CostModel:
-    """The costs a Session on this target prices its blocks with: its share of the batch on a shared sequence."""
-    return BatchPricedCosts(costs, target.shared) if isinstance(target, SequenceTarget) else costs

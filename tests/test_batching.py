@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from dflash_gguf import Session, SessionOptions
-from dflash_gguf.batching import BatchPricedCosts, SequenceTarget, SharedContext
+from dflash_gguf.batching import SequenceTarget, SharedContext
 from dflash_gguf.config import SettingError
 from dflash_gguf.controller import AdaptivePolicy, CostModel
 from dflash_gguf.server import ServerConfig, create_app
+from dflash_gguf.speculation import BatchPricedCosts
 from dflash_gguf.sources import Offer
 
 from test_server import running
