@@ -27,14 +27,15 @@ import os
 from typing import Callable
 
 import numpy as np
-from llama_cpp import llama_cpp as capi
 
 from . import llama_ext
 from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
 from .schema import Keys
-from .target import FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context
+from .steps import TokenSource
+from .target import (FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context, state_seq_get,
+                     state_seq_set)
 
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
@@ -64,10 +65,8 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
     model = load_model(path, n_gpu_layers=target.n_gpu_layers, load_mtp=True)
     shared = SharedModel(model, owned=True)
     arch = meta_str(model, Keys.ARCHITECTURE) or ""
-    n_heads = int(capi.llama_model_n_layer_nextn(model))
-    n_vocab = int(capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(model)))
-    n_embd = int(capi.llama_model_n_embd_out(model))
-    target_embd = int(capi.llama_model_n_embd_out(target.model))
+    n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model)
+    target_embd = llama_ext.model_mtp_shape(target.model)[2]
     reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
               if arch != target.architecture else
               "it holds no MTP heads" if n_heads == 0 else
@@ -85,7 +84,7 @@ class MTPHeads(NativeResource):
     KV cache of the head's one attention layer, fed the target's rows (`ctx_other` is the target's context).
 
     `process` adds committed positions (token + the target's row before it), `draft` runs the head
-    autoregressively after `last` and removes what it added.
+    autoregressively after `last` and removes what it added. The calls into C are llama_ext.MTPContext's.
     """
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
@@ -99,96 +98,81 @@ class MTPHeads(NativeResource):
             self._shared = _load_heads(heads, target)
         try:
             threads = target.n_threads if n_threads is None else n_threads
-            self._ctx = new_context(
+            ctx = new_context(
                 self._shared.ptr, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
-                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=capi.LLAMA_CONTEXT_TYPE_MTP,
+                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=llama_ext.CONTEXT_TYPE_MTP,
             )
+            self.n_embd = llama_ext.model_mtp_shape(self._shared.ptr)[2]
+            self._ctx: llama_ext.MTPContext | None = llama_ext.MTPContext(ctx, self.n_embd, target.n_vocab)
         except BaseException:
             self._shared.release()
             raise
-        self.n_embd = int(capi.llama_model_n_embd_out(self._shared.ptr))
         self.n_vocab = target.n_vocab
         self.n_batch = target.n_batch
-        self._mem = capi.llama_get_memory(self._ctx)
-        self._batch = capi.llama_batch_ext_init(self._ctx)
-        if not self._batch:
-            capi.llama_free(self._ctx)
-            self._ctx = None
-            self._shared.release()
-            raise RuntimeError("libllama could not make a batch for the MTP context")
-        self._pos = ctypes.c_int32(0)
-        self._pos_ref = ctypes.byref(self._pos)
-        llama_ext.set_embeddings_nextn(self._ctx, True, True)  # the head's own row of each output, for chaining
         target.output_nextn()
 
-    def _add(self, token: int, pos: int, h_address: int, output: bool) -> None:
-        idx = capi.llama_batch_ext_add_token(self._batch, 0, token)
-        if idx < 0:
-            raise RuntimeError(f"the MTP batch refused token {token} (error {idx})")
-        self._pos.value = pos
-        embd = capi.llama_embd(ctypes.cast(h_address, ctypes.POINTER(ctypes.c_float)), 1, self.n_embd)
-        if not capi.llama_batch_ext_set_pos(self._batch, idx, self._pos_ref) or \
-                not capi.llama_batch_ext_set_embd_token(self._batch, idx, embd):
-            raise RuntimeError(f"the MTP batch refused the position or the row of token {token}")
-        if output:
-            capi.llama_batch_ext_set_output_logits(self._batch, idx, True)
-
-    def _decode(self) -> None:
-        rc = capi.llama_process(self._ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
-        if rc != 0:
-            raise RuntimeError(f"the MTP context's decode failed with code {rc}")
+    def _live(self) -> llama_ext.MTPContext:
+        if self._ctx is None:
+            raise self._closed_error()
+        return self._ctx
 
     def process(self, tokens: list[int], start: int, rows: np.ndarray) -> None:
         """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before)."""
-        if self._ctx is None:
-            raise self._closed_error()
+        c = self._live()
         base, stride = rows.ctypes.data, self.n_embd * 4
         for lo in range(0, len(tokens), self.n_batch):
-            capi.llama_batch_ext_clear(self._batch)
+            c.clear()
             for i in range(lo, min(lo + self.n_batch, len(tokens))):
-                self._add(tokens[i], start + i, base + i * stride, False)
-            self._decode()
+                c.add(tokens[i], start + i, base + i * stride, False)
+            c.decode()
 
-    def draft(self, last: int, n_past: int, carry: np.ndarray, n: int,
+    def draft(self, last: int, n_past: int, carry: int, n: int,
               pick: Callable[[int, np.ndarray], int] | None = None) -> list[int]:
-        """n drafts after `last` at n_past, whose target row before is `carry`; the context keeps none.
-        Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
-        if self._ctx is None:
-            raise self._closed_error()
+        """n drafts after `last` at n_past, whose target row before is at address `carry`; the context keeps
+        none. Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
+        c = self._live()
         out: list[int] = []
-        token, h = int(last), carry.ctypes.data
+        token, h = int(last), carry
         try:
             for i in range(n):
-                capi.llama_batch_ext_clear(self._batch)
-                self._add(token, n_past + i, h, True)
-                self._decode()
-                logits = capi.llama_get_logits_ith(self._ctx, 0)
-                if not logits:
-                    raise RuntimeError("the MTP context returned no logits")
-                row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+                c.clear()
+                c.add(token, n_past + i, h, True)
+                c.decode()
+                row = c.logits()
                 token = int(row.argmax()) if pick is None else pick(i, row)
                 out.append(token)
-                h = llama_ext.get_embeddings_nextn_ith(self._ctx, 0)
-                if not h:
-                    raise RuntimeError("the MTP context returned no nextn row")
+                if i + 1 < n:
+                    h = c.nextn_row()
         finally:
-            self.remove(n_past)
+            c.remove(n_past)
         return out
 
     def remove(self, n: int) -> None:
         """Forget positions >= n."""
-        if self._ctx is None:
-            raise self._closed_error()
-        if not capi.llama_memory_seq_rm(self._mem, 0, n, -1):
-            raise RuntimeError(f"could not remove MTP positions >= {n}")
+        self._live().remove(n)
+
+    def save_state(self) -> bytes:
+        """The MTP context's KV (every position it holds), as llama_state_seq bytes."""
+        return state_seq_get(self._live().ctx, 0)
+
+    def load_state(self, data: bytes, n: int) -> None:
+        """Replace the MTP context's KV with save_state's bytes of n positions; RuntimeError when libllama
+        refuses them or they hold another count, ValueError for bytes that are no state (the context is then
+        empty either way)."""
+        c = self._live()
+        try:
+            state_seq_set(c.ctx, data, 0)
+            if c.pos_max() + 1 != n:
+                raise RuntimeError(f"the MTP context holds {c.pos_max() + 1} positions after restoring {n}")
+        except BaseException:
+            c.clear_memory()
+            raise
 
     def close(self) -> None:
-        ctx = self._ctx
-        if ctx is None:
+        c, self._ctx = self._ctx, None
+        if c is None:
             return
-        self._ctx = None
-        capi.llama_batch_ext_free(self._batch)
-        capi.llama_free(ctx)
+        c.free()
         self._shared.release()
 
 
@@ -200,6 +184,7 @@ class MTPSource(DraftSource):
     """
 
     name = MTP_SOURCE
+    provenance = TokenSource.MTP
     needs_features = False
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
@@ -258,7 +243,7 @@ class MTPSource(DraftSource):
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
         if params.greedy:
-            tokens = self.heads.draft(last, n_past, self._carry, n_draft)
+            tokens = self.heads.draft(last, n_past, self._carry_address, n_draft)
             self._proposed = (n_past, tokens)
             return Candidate(self.name, np.asarray(tokens, dtype=np.int64))
         q = np.empty((n_draft, self.heads.n_vocab), dtype=np.float64)
@@ -267,7 +252,7 @@ class MTPSource(DraftSource):
             q[i] = probabilities(logits[None], params)[0]
             return sample_token(q[i], rng)
 
-        tokens = self.heads.draft(last, n_past, self._carry, n_draft, pick)
+        tokens = self.heads.draft(last, n_past, self._carry_address, n_draft, pick)
         self._proposed = (n_past, tokens)
         return Candidate(self.name, np.asarray(tokens, dtype=np.int64), q=q)
 
@@ -285,8 +270,7 @@ class MTPSource(DraftSource):
             self._offer = Offer(self.name, 0)
         self._proposed = None
         if self.target.nextn_rows < n:
-            self._skip(commit.start + n)
-            return
+            raise RuntimeError(f"MTP source told of {n} tokens the target's last decode holds no rows for")
         # token i is paired with the target's row i - 1 of this batch, the first with the carry
         stride, carry = self._stride, self._carry_address
         src = self.target.nextn_address(n)
@@ -297,14 +281,28 @@ class MTPSource(DraftSource):
         ctypes.memmove(carry, src + (n - 1) * stride, stride)
         self._tokens += commit.tokens
 
-    def _skip(self, end: int) -> None:
-        """Hold positions up to `end` with no MTP state: they came from a restored target state (the prompt
-        cache), which decoded nothing, so no row pairs with them. The head attends to what it holds (holes
-        are only fewer cells) and the next token pairs with no carry: drafts are poorer until the context
-        refills, and as lossless."""
-        self.finish()
-        self._n = end
-        self._carry[:] = 0.0
+    def snapshot(self) -> bytes | None:
+        """The state after the positions it holds, for the prompt cache: the carry row, then the MTP context's
+        KV; None while committed tokens wait (the loop processes them before every point the cache saves at,
+        and processing them here would batch them otherwise than a generation without the cache does)."""
+        if self._tokens:
+            return None
+        return self._carry.tobytes() + self.heads.save_state()
+
+    def restore(self, data: bytes, n: int) -> None:
+        """The state snapshot() returned after n positions: the next commit pairs with the same carry and the
+        head attends to the same KV, so it drafts what it drafted when the state was saved.
+        RuntimeError (ValueError for bytes that are no such state) leaves it holding nothing."""
+        self._proposed = None
+        self._tokens.clear()
+        self._rows.clear()
+        self._n = 0
+        if len(data) <= self._stride:
+            self.heads.remove(0)
+            raise ValueError(f"an MTP state is a {self._stride}-byte carry row and a context state, got {len(data)} bytes")
+        self.heads.load_state(data[self._stride:], n)
+        self._carry[:] = np.frombuffer(data, np.float32, self.heads.n_embd)
+        self._n = n
 
     def finish(self) -> None:
         if self._tokens:

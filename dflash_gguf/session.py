@@ -155,7 +155,7 @@ class Session:
             n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
             type_k=o.type_k,
             type_v=o.type_v,
-            load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
+            load_mtp=o.mtp,  # the model's own MTP heads, where it has them, draft beside the other sources
             rpc_servers=o.rpc_servers,
             n_seq_max=max(1, o.tree_nodes - 1),  # a tree of n rows has at most n - 1 leaves
             kv_unified=o.tree_nodes > 0,
@@ -483,7 +483,8 @@ class Session:
     def _load_snapshot(self, snapshot: Snapshot) -> None:
         """Put the target, the drafter and every source in the state after snapshot.tokens."""
         n = len(snapshot.tokens)
-        if "target" not in snapshot.parts or (self.drafter is not None) != ("drafter" in snapshot.parts):
+        if "target" not in snapshot.parts or (self.drafter is not None) != ("drafter" in snapshot.parts) or \
+                (self._mtp is not None) != ("mtp" in snapshot.parts):
             raise ValueError("the entry does not hold this Session's parts")
         self._cache.invalidate(self._sources)
         self.target.load_sequence(snapshot.parts["target"])
@@ -497,6 +498,8 @@ class Session:
                 if self.drafter.pos_max() + 1 != n:
                     raise RuntimeError(f"the drafter holds {self.drafter.pos_max() + 1} positions after restoring {n}")
                 s.restored(n)
+            elif s is self._mtp:
+                s.restore(snapshot.parts["mtp"], n)
             else:  # its state is a function of the tokens (lookup indexes them where they are held)
                 s.observe(Commit(0, snapshot.tokens, sequence=self._cache.tokens))
 
@@ -523,9 +526,14 @@ class Session:
         n, native = len(tokens), self._native_source
         if n == 0 or self.target.pos_max(0) + 1 != n or (native is not None and native.cached() != n):
             return None
+        mtp = None if self._mtp is None or self._mtp.cached() != n else self._mtp.snapshot()
+        if self._mtp is not None and mtp is None:
+            return None
         parts = {"target": self.target.save_sequence()}
         if native is not None:
             parts["drafter"] = self.drafter.save_state()
+        if mtp is not None:
+            parts["mtp"] = mtp
         return Snapshot(tuple(tokens), parts)
 
     def _store_prefix(self, restored: CacheEvent | None) -> CacheEvent | None:

@@ -213,6 +213,23 @@ def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
             assert r.stats.per_source[MTP_SOURCE].n_drafted > 0, f"block {block}"
 
 
+def test_tokens_the_heads_drafted_carry_their_own_provenance_and_colour(mtp_target):
+    """Sampled hot (temperature 3 flattens both laws until rejection keeps some of the random head's drafts):
+    each accepted MTP draft is TokenSource.MTP, drawn in the chat's MTP colour, the cycle's last the bonus."""
+    from dflash_gguf.steps import TokenSource
+    from dflash_gguf.tui.provenance import Provenance, pieces_of
+
+    with open_session(mtp_target, lookup=False) as s:
+        steps = [step for seed in range(4)
+                 for step in s.stream("Good morning!", max_tokens=24, temperature=3.0, seed=seed, block_size=2)]
+    drafted = [step for step in steps if step.source == MTP_SOURCE]
+    assert drafted and all(step.provenance == (TokenSource.MTP,) * step.n_accepted + (TokenSource.BONUS,)
+                           for step in drafted)
+    accepted = [step for step in drafted if step.n_accepted]
+    assert accepted, "some sampled drafts pass"
+    assert any(kind is Provenance.MTP for step in accepted for _, kind in pieces_of(step))
+
+
 def test_random_heads_are_learnt_to_fail(mtp_target, reference):
     """A random head's drafts fail, and MTP's own acceptance model learns it: what it offers falls from its
     prior. (Whether the policy then drafts depends on the measured costs: scripts/bench_mtp.py measures it.)"""
@@ -258,22 +275,58 @@ def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_ta
         assert chi_square_p_value(after, q) < ALPHA
 
 
-def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target, reference, tmp_path):
-    """The prompt cache restores the target's state, not the MTP context's (not stored yet): the restored
-    positions have no MTP state, and the Session still restores, drafts with the heads and matches plain."""
+def test_a_prompt_cache_hit_drafts_what_the_miss_drafted(mtp_target, reference, tmp_path):
+    """The entry holds the MTP context's KV and the carry row with the target's state, so a resent prompt
+    restored from the cache leaves the head exactly where the cold prefill left it: the same drafts every
+    cycle, hence the same acceptances, and the same MTP state at the end, byte for byte (without the MTP
+    part the restored positions would hold no MTP state, and the state would differ)."""
     from dflash_gguf.prompt_cache import PromptCache
 
     prompt, want = reference
     cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
     with Session(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, lookup=False,
                  prompt_cache=cache) as s:
-        first = s.generate(prompt, max_tokens=len(want), block_size=3)
-        assert first.stats.prompt_cache.stored and first.tokens == want
+        miss = list(s.stream(prompt, max_tokens=len(want), block_size=3))
+        assert s.last_stats.prompt_cache.tier is None and s.last_stats.prompt_cache.stored
+        miss_state = s._mtp.snapshot()
         with s.fork() as other:
-            again = other.generate(prompt, max_tokens=len(want), block_size=3)
-    assert again.stats.prompt_cache.tier == "ram" and again.stats.n_cached_tokens > 0
-    assert again.tokens == want
-    assert again.stats.per_source[MTP_SOURCE].n_drafted > 0
+            hit = list(other.stream(prompt, max_tokens=len(want), block_size=3))
+            stats = other.last_stats
+            hit_state = other._mtp.snapshot()
+    assert stats.prompt_cache.tier == "ram" and stats.n_cached_tokens > 0
+    assert [t for step in hit for t in step.tokens] == [t for step in miss for t in step.tokens] == want
+    assert [(step.source, step.n_drafted, step.n_accepted) for step in hit] == \
+        [(step.source, step.n_drafted, step.n_accepted) for step in miss]
+    assert stats.per_source[MTP_SOURCE].n_drafted > 0
+    assert miss_state is not None and hit_state == miss_state
+
+
+def test_an_mtp_state_that_does_not_restore_leaves_nothing_held(mtp_target):
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            prompt = PROMPTS[0]
+            t.decode(prompt, 0)
+            source.observe(Commit(0, prompt, sequence=list(prompt)))
+            assert source.snapshot() is None  # committed tokens wait: no state to save yet
+            source.finish()
+            state = source.snapshot()
+            with pytest.raises(RuntimeError, match="positions after restoring"):
+                source.restore(state, len(prompt) + 1)
+            assert source.cached() == 0
+            with pytest.raises(ValueError, match="carry row"):
+                source.restore(state[:16], len(prompt))
+            assert source.cached() == 0
+            source.restore(state, len(prompt))
+            assert source.cached() == len(prompt) and source.snapshot() == state
+        finally:
+            source.close()
+
+
+def test_the_mtp_setting_turns_the_heads_off(mtp_target):
+    with open_session(mtp_target, mtp=False) as s:
+        assert not s.mtp and s.target.n_mtp_heads == 0
+        assert [src.name for src in s._sources] == ["lookup"]
 
 
 def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, capsys):
