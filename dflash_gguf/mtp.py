@@ -13,8 +13,12 @@ reference, and `scripts/mtp_oracle.cpp` runs it: this source drafts the same tok
   from the MTP context (upstream removes them after every draft), so a verify's rejected tokens never
   reach it: only committed tokens are processed.
 
-Upstream processes every target batch as it is decoded; here committed tokens wait and are processed in
-one batch before the next draft (as the DFlash drafter's features are), so plain cycles cost no MTP pass.
+Upstream processes every target batch as it is decoded; here committed tokens wait (with their rows) and
+are processed in one batch when the head next drafts, so plain cycles cost no MTP pass, nor does a turn the
+policy never drafts from the head, a follow-up that cuts the waiting tokens or a reset. A head set aside for
+long holds at most 2 x MAX_WAITING waiting rows: past that the oldest are dropped, their positions held with
+no MTP state (drafts then see less of the distant past, upstream's see it all; the output is the same).
+The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
 Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
 sampled ones are drawn from the head's own distribution under the request's sampling settings, and
 rejection sampling against it keeps the output exactly the target's.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from typing import Callable
 
 import numpy as np
@@ -42,6 +47,10 @@ DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its
 PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: a guess high enough that a head is tried;
 # the commits' evidence replaces it (decayed counts, LookupStats)
 _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
+# committed tokens wait (with their rows) until the head next drafts; past twice this many, the oldest are dropped
+# down to this many, held with no MTP state (see MTPSource): a head the policy has set aside costs no pass
+MAX_WAITING = 1024
+_COUNT = struct.Struct("<I")  # a snapshot's count of waiting tokens
 
 
 def mtp_unusable_reason(target: Target) -> str | None:
@@ -156,14 +165,14 @@ class MTPHeads(NativeResource):
         return state_seq_get(self._live().ctx, 0)
 
     def load_state(self, data: bytes, n: int) -> None:
-        """Replace the MTP context's KV with save_state's bytes of n positions; RuntimeError when libllama
-        refuses them or they hold another count, ValueError for bytes that are no state (the context is then
-        empty either way)."""
+        """Replace the MTP context's KV with save_state's bytes of positions below n (some may be holes);
+        RuntimeError when libllama refuses them or they reach past n, ValueError for bytes that are no state
+        (the context is then empty either way)."""
         c = self._live()
         try:
             state_seq_set(c.ctx, data, 0)
-            if c.pos_max() + 1 != n:
-                raise RuntimeError(f"the MTP context holds {c.pos_max() + 1} positions after restoring {n}")
+            if c.pos_max() + 1 > n:
+                raise RuntimeError(f"the MTP context holds positions up to {c.pos_max()} after restoring {n}")
         except BaseException:
             c.clear_memory()
             raise
@@ -196,8 +205,8 @@ class MTPSource(DraftSource):
         self.target = target
         self.max_draft = min(max_draft, target.n_batch - 1)
         self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
-        self._n = 0  # positions the MTP context holds
-        self._tokens: list[int] = []  # committed since, positions _n.., waiting for one batch
+        self._n = 0  # positions the MTP context holds, or dropped while waiting (held with no state)
+        self._tokens: list[int] = []  # committed since, positions _n.., waiting for the next draft
         self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
         self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
         self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
@@ -239,7 +248,7 @@ class MTPSource(DraftSource):
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
-        self.finish()
+        self._catch_up()
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
         if params.greedy:
@@ -280,31 +289,48 @@ class MTPSource(DraftSource):
             ctypes.memmove(dst + stride, src, (n - 1) * stride)
         ctypes.memmove(carry, src + (n - 1) * stride, stride)
         self._tokens += commit.tokens
+        if len(self._tokens) > 2 * MAX_WAITING:
+            self._drop_waiting(len(self._tokens) - MAX_WAITING)
 
-    def snapshot(self) -> bytes | None:
-        """The state after the positions it holds, for the prompt cache: the carry row, then the MTP context's
-        KV; None while committed tokens wait (the loop processes them before every point the cache saves at,
-        and processing them here would batch them otherwise than a generation without the cache does)."""
-        if self._tokens:
-            return None
-        return self._carry.tobytes() + self.heads.save_state()
+    def _drop_waiting(self, k: int) -> None:
+        """Hold the k oldest waiting positions with no MTP state. The head attends to what it holds (holes are
+        only fewer cells), so drafts after a long streak without one see less of the distant past; lossless."""
+        rows = self._rows.view()[k:].copy()
+        self._rows.clear()
+        self._rows.extend(rows)
+        del self._tokens[:k]
+        self._n += k
+
+    def snapshot(self) -> bytes:
+        """Its whole state, for the prompt cache: the carry row, the waiting tokens and their rows, and the MTP
+        context's KV. Nothing is processed here: a restore resumes exactly where this source stood."""
+        n = len(self._tokens)
+        return (self._carry.tobytes() + _COUNT.pack(n) + np.asarray(self._tokens, np.int32).tobytes()
+                + self._rows.view().tobytes() + self.heads.save_state())
 
     def restore(self, data: bytes, n: int) -> None:
         """The state snapshot() returned after n positions: the next commit pairs with the same carry and the
-        head attends to the same KV, so it drafts what it drafted when the state was saved.
+        head attends to the same KV after the same waiting tokens, so it drafts what it would have drafted.
         RuntimeError (ValueError for bytes that are no such state) leaves it holding nothing."""
         self._proposed = None
         self._tokens.clear()
         self._rows.clear()
         self._n = 0
-        if len(data) <= self._stride:
+        head = self._stride + _COUNT.size
+        count = _COUNT.unpack_from(data, self._stride)[0] if len(data) >= head else -1
+        state = head + count * (4 + self._stride)
+        if count < 0 or count > n or len(data) <= state:
             self.heads.remove(0)
-            raise ValueError(f"an MTP state is a {self._stride}-byte carry row and a context state, got {len(data)} bytes")
-        self.heads.load_state(data[self._stride:], n)
+            raise ValueError(f"not an MTP state of {n} positions ({len(data)} bytes)")
+        self.heads.load_state(data[state:], n - count)
         self._carry[:] = np.frombuffer(data, np.float32, self.heads.n_embd)
-        self._n = n
+        self._tokens += np.frombuffer(data, np.int32, count, head).tolist()
+        self._rows.extend(np.frombuffer(data, np.float32, count * self.heads.n_embd, head + 4 * count)
+                          .reshape(count, self.heads.n_embd))
+        self._n = n - count
 
-    def finish(self) -> None:
+    def _catch_up(self) -> None:
+        """Process the waiting tokens: their KV entries, in batches, before the head drafts."""
         if self._tokens:
             self.heads.process(self._tokens, self._n, self._rows.view())
             self._n += len(self._tokens)

@@ -301,26 +301,62 @@ def test_a_prompt_cache_hit_drafts_what_the_miss_drafted(mtp_target, reference, 
     assert miss_state is not None and hit_state == miss_state
 
 
-def test_an_mtp_state_that_does_not_restore_leaves_nothing_held(mtp_target):
-    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:
+def test_an_mtp_state_restores_exactly_or_leaves_nothing_held(mtp_target):
+    """A snapshot holds the processed KV and the tokens still waiting, with their rows: restored, the source
+    drafts what it would have; bytes that are no such state leave it empty, never half restored."""
+    prompt, more = PROMPTS[0], [77, 78, 79]
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
         source = MTPSource(t)
         try:
-            prompt = PROMPTS[0]
             t.decode(prompt, 0)
             source.observe(Commit(0, prompt, sequence=list(prompt)))
-            assert source.snapshot() is None  # committed tokens wait: no state to save yet
-            source.finish()
+            source.propose(5, len(prompt), 3, SamplingParams(), np.random.default_rng(0))  # the prompt processed
+            t.decode(more, len(prompt))
+            source.observe(Commit(len(prompt), more, sequence=prompt + more))  # waiting, not processed
+            n = len(prompt) + len(more)
             state = source.snapshot()
-            with pytest.raises(RuntimeError, match="positions after restoring"):
-                source.restore(state, len(prompt) + 1)
+            want = source.propose(9, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+            source.truncate(0)
+            for bad, error in ((state[:16], ValueError), (state[:-40], RuntimeError)):
+                with pytest.raises(error):
+                    source.restore(bad, n)
+                assert source.cached() == 0
+            with pytest.raises(RuntimeError, match="after restoring"):
+                source.restore(state, len(prompt) - 1)  # the KV reaches past the positions claimed
             assert source.cached() == 0
-            with pytest.raises(ValueError, match="carry row"):
-                source.restore(state[:16], len(prompt))
-            assert source.cached() == 0
-            source.restore(state, len(prompt))
-            assert source.cached() == len(prompt) and source.snapshot() == state
+            source.restore(state, n)
+            assert source.cached() == n and source.snapshot() == state
+            assert source.propose(9, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == want
         finally:
             source.close()
+
+
+def test_a_long_wait_drops_the_oldest_waiting_tokens(mtp_target, reference, monkeypatch):
+    """Past 2 x MAX_WAITING waiting tokens the oldest are held with no MTP state (a head set aside costs no
+    pass): the source keeps its count of positions, drafts after the holes, and a Session stays lossless."""
+    from dflash_gguf import mtp
+
+    monkeypatch.setattr(mtp, "MAX_WAITING", 8)
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            seq = list(PROMPTS[1])
+            t.decode(seq, 0)
+            source.observe(Commit(0, list(seq), sequence=seq))
+            for i in range(30):  # a plain streak: one token a cycle, no draft
+                t.decode([100 + i], len(seq))
+                seq.append(100 + i)
+                source.observe(Commit(len(seq) - 1, [100 + i], sequence=seq))
+                assert source.cached() == len(seq) and len(source._tokens) <= 16
+            held = source._n
+            assert held > 0 and source.heads._live().pos_max() == -1  # dropped, never processed
+            assert len(source.propose(5, len(seq), 3, SamplingParams(), np.random.default_rng(0)).tokens) == 3
+            assert source.heads._live().pos_max() == len(seq) - 1 and source._n == len(seq)
+        finally:
+            source.close()
+    prompt, want = reference
+    with open_session(mtp_target, lookup=False) as s:
+        assert s.generate(prompt, max_tokens=len(want)).tokens == want
 
 
 def test_the_mtp_setting_turns_the_heads_off(mtp_target):
@@ -339,3 +375,29 @@ def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, ca
     assert "sources    lookup, mtp\n" in text and "the target's own MTP heads draft" in text
     assert main(["--target", str(hybrid_models.target("qwen35")), "--n-ctx", "512", "--threads", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pair"]["sources"] == ["lookup"]
+
+
+def test_dflash_bench_runs_an_mtp_mode_beside_dflash(mtp_target, hybrid_models, tmp_path, capsys):
+    """--modes mtp: the heads alone on their own Session; plain and dflash never load them (so dflash is the
+    drafter alone), and a target without heads is one line and exit 2."""
+    import json
+
+    from dflash_gguf.bench.cli import main
+
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "sea", "category": "chat", "prompt": "Say something about the sea."}) + "\n")
+    common = ["--prompts", str(prompts), "--drafter", str(hybrid_models.drafter("qwen35")), "--max-tokens", "12",
+              "--repeats", "1", "--no-warmup", "--threads", "1", "--block-size", "3", "--n-ctx", "512"]
+    out = tmp_path / "results"
+    rc = main(["--target", str(mtp_target), *common, "--modes", "dflash", "mtp", "--out", str(out), "--name", "mtp"])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    data = json.loads((out / "mtp.json").read_text())
+    assert data["settings"]["modes"] == ["plain", "dflash", "mtp"]
+    modes = data["summary"]["all"]["modes"]
+    assert set(modes["mtp"]["per_source"]) == {MTP_SOURCE} and modes["mtp"]["per_source"][MTP_SOURCE]["n_drafted"] > 0
+    assert MTP_SOURCE not in modes["dflash"]["per_source"]
+    assert "mtp median" in stdout
+    rc = main(["--target", str(hybrid_models.target("qwen35")), *common, "--modes", "mtp", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "mode mtp: the target has no MTP heads" in err
