@@ -522,18 +522,16 @@ class Session:
 
     def _snapshot(self, tokens: Sequence[int]) -> Snapshot | None:
         """The whole state after `tokens`, when every part of it is there: a plain generation leaves the
-        drafter behind the target, and then there is none."""
+        drafter and the MTP heads behind the target, and then there is none."""
         n, native = len(tokens), self._native_source
-        if n == 0 or self.target.pos_max(0) + 1 != n or (native is not None and native.cached() != n):
-            return None
-        mtp = None if self._mtp is None or self._mtp.cached() != n else self._mtp.snapshot()
-        if self._mtp is not None and mtp is None:
+        behind = any(s is not None and s.cached() != n for s in (native, self._mtp))
+        if n == 0 or self.target.pos_max(0) + 1 != n or behind:
             return None
         parts = {"target": self.target.save_sequence()}
         if native is not None:
             parts["drafter"] = self.drafter.save_state()
-        if mtp is not None:
-            parts["mtp"] = mtp
+        if self._mtp is not None:
+            parts["mtp"] = self._mtp.snapshot()
         return Snapshot(tuple(tokens), parts)
 
     def _store_prefix(self, restored: CacheEvent | None) -> CacheEvent | None:
