@@ -230,6 +230,25 @@ def test_tokens_the_heads_drafted_carry_their_own_provenance_and_colour(mtp_targ
     assert any(kind is Provenance.MTP for step in accepted for _, kind in pieces_of(step))
 
 
+def test_the_chat_names_the_heads_among_its_sources(mtp_target):
+    """dflash-chat on a target whose heads draft: the subtitle and the sources panel name mtp, with its count."""
+    from test_tui_app import SHORT_PROMPT, options, rows, run_app, send_and_wait
+
+    from dflash_gguf.tui.app import ChatApp
+
+    with open_session(mtp_target) as s:
+        app = ChatApp(s, options(max_tokens=12, block_size=2))
+
+        async def scenario(pilot) -> None:
+            await send_and_wait(pilot, SHORT_PROMPT)
+            assert str(app.sub_title).startswith("lookup + mtp · block 2")
+            mtp = app.last_stats.per_source()[MTP_SOURCE]
+            assert mtp.n_drafted > 0
+            assert rows(app, "#sources")["mtp"] == f"{mtp.n_accepted}/{mtp.n_drafted} accepted ({mtp.acceptance_rate:.0%})"
+
+        run_app(app, scenario)
+
+
 def test_random_heads_are_learnt_to_fail(mtp_target, reference):
     """A random head's drafts fail, and MTP's own acceptance model learns it: what it offers falls from its
     prior. (Whether the policy then drafts depends on the measured costs: scripts/bench_mtp.py measures it.)"""
