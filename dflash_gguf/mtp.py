@@ -14,10 +14,12 @@ reference, and `scripts/mtp_oracle.cpp` runs it: this source drafts the same tok
   reach it: only committed tokens are processed.
 
 Upstream processes every target batch as it is decoded; here committed tokens wait (with their rows) and
-are processed in one batch when the head next drafts, so plain cycles cost no MTP pass, nor does a turn the
-policy never drafts from the head, a follow-up that cuts the waiting tokens or a reset. A head set aside for
-long holds at most 2 x MAX_WAITING waiting rows: past that the oldest are dropped, their positions held with
-no MTP state (drafts then see less of the distant past, upstream's see it all; the output is the same).
+are processed in one batch before the head next drafts, so plain cycles cost no MTP pass. At the end of a
+prefill or a generation (`finish`) they are processed while the policy takes the head's offers; once it has
+declined SET_ASIDE_AFTER in a row, they wait: a head set aside costs no pass for turns it never drafts in,
+resets and cut follow-ups. It then holds at most 2 x MAX_WAITING waiting rows: past that the oldest are
+dropped, their positions held with no MTP state (drafts then see less of the distant past, upstream's see
+it all; the output is the same).
 The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
 Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
 sampled ones are drawn from the head's own distribution under the request's sampling settings, and
@@ -50,6 +52,7 @@ _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": dr
 # committed tokens wait (with their rows) until the head next drafts; past twice this many, the oldest are dropped
 # down to this many, held with no MTP state (see MTPSource): a head the policy has set aside costs no pass
 MAX_WAITING = 1024
+SET_ASIDE_AFTER = 16  # offers the policy declined in a row after which the head counts as set aside (see finish)
 _COUNT = struct.Struct("<I")  # a snapshot's count of waiting tokens
 
 
@@ -212,6 +215,8 @@ class MTPSource(DraftSource):
         self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
         self._stride = self.heads.n_embd * 4  # bytes per row
         self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
+        self._offered = False  # whether it offered since the last commit
+        self._declined = 0  # offers the policy declined since it last took one
         self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
 
     def cached(self) -> int:
@@ -241,6 +246,7 @@ class MTPSource(DraftSource):
         return self.max_draft
 
     def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        self._offered = True
         if self._offer.n_max != n_max:
             self._offer = Offer(self.name, n_max, self.stats.expected_tokens(_DEPTH0, min(n_max, self.max_draft)))
         return self._offer
@@ -277,7 +283,12 @@ class MTPSource(DraftSource):
                 k += 1
             self.stats.observe(_DEPTH0, len(drafted), k)
             self._offer = Offer(self.name, 0)
+        if self._proposed is not None:
+            self._declined = 0
+        elif self._offered:
+            self._declined += 1
         self._proposed = None
+        self._offered = False
         if self.target.nextn_rows < n:
             raise RuntimeError(f"MTP source told of {n} tokens the target's last decode holds no rows for")
         # token i is paired with the target's row i - 1 of this batch, the first with the carry
@@ -328,6 +339,14 @@ class MTPSource(DraftSource):
         self._rows.extend(np.frombuffer(data, np.float32, count * self.heads.n_embd, head + 4 * count)
                           .reshape(count, self.heads.n_embd))
         self._n = n - count
+
+    def finish(self) -> None:
+        """Process the waiting tokens while the policy takes the head's offers, so the next draft's time (which
+        prices the head) is the draft's alone: after a prompt, a first draft would otherwise carry the whole
+        prompt's pass. Once it has declined SET_ASIDE_AFTER in a row they wait, and cost nothing unless it
+        drafts again."""
+        if self._declined < SET_ASIDE_AFTER:
+            self._catch_up()
 
     def _catch_up(self) -> None:
         """Process the waiting tokens: their KV entries, in batches, before the head drafts."""

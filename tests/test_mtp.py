@@ -378,6 +378,39 @@ def test_a_long_wait_drops_the_oldest_waiting_tokens(mtp_target, reference, monk
         assert s.generate(prompt, max_tokens=len(want)).tokens == want
 
 
+def test_waiting_tokens_are_processed_at_the_end_until_the_head_is_set_aside(mtp_target):
+    """finish() brings the head up to date while its offers are taken (so its next draft is timed alone), and
+    leaves the tokens waiting once the policy has declined SET_ASIDE_AFTER offers in a row."""
+    from dflash_gguf.mtp import SET_ASIDE_AFTER
+
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            seq = list(PROMPTS[0])
+            t.decode(seq, 0)
+            source.observe(Commit(0, list(seq), sequence=seq))
+            source.finish()
+            assert source.heads._live().pos_max() == len(seq) - 1 and not source._tokens
+            for i in range(SET_ASIDE_AFTER):  # offered every cycle, never taken
+                source.offer(seq[-1], len(seq), 3)
+                t.decode([200 + i], len(seq))
+                seq.append(200 + i)
+                source.observe(Commit(len(seq) - 1, [200 + i], sequence=seq))
+                if i == SET_ASIDE_AFTER - 2:
+                    source.finish()  # one offer short: still processed
+                    assert not source._tokens
+            source.finish()
+            assert len(source._tokens) == 1 and source.cached() == len(seq)
+            source.propose(seq[-1], len(seq), 2, SamplingParams(), np.random.default_rng(0))  # taken: up to date
+            t.decode([seq[-1]], len(seq))
+            seq.append(seq[-1])
+            source.observe(Commit(len(seq) - 1, [seq[-1]], sequence=seq))
+            source.finish()
+            assert not source._tokens and source.heads._live().pos_max() == len(seq) - 1
+        finally:
+            source.close()
+
+
 def test_the_mtp_setting_turns_the_heads_off(mtp_target):
     with open_session(mtp_target, mtp=False) as s:
         assert not s.mtp and s.target.n_mtp_heads == 0
