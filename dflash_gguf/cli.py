@@ -27,7 +27,7 @@ from .stats import GenerationStats, generation_speedup
 GENERATION = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
               "frequency_penalty", "seed", "block_size")
 COMPARE_RUNS = 3
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS,
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "mtp", "recalibrate", *KV_CACHE_SETTINGS,
            "rpc_servers")
 
 

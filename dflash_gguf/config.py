@@ -187,6 +187,8 @@ class SessionOptions:
     lookup: bool | None = setting(None, optional_boolean("on only without a drafter"),
                                   "n-gram lookup drafts (copies from prompt and reply) next to the drafter "
                                   "(default: on only without a drafter)", parse=bool)
+    mtp: bool = setting(True, boolean, "the target's own MTP heads draft, where its GGUF has them, beside lookup and "
+                        "the drafter (off: they are not even loaded)", parse=bool)
     # the KV cache's element type; a quantized cache holds more context in less memory (llama.cpp's -ctk/-ctv)
     type_k: str = setting("f16", _kv_type(), "target KV cache type for K", flags=("--cache-type-k", "-ctk"),
                           parse=str)

@@ -1,8 +1,9 @@
-"""ctypes bindings for the libllama functions that llama-cpp-python does not bind.
+"""ctypes bindings for the libllama functions that llama-cpp-python does not bind, and the MTP context's calls.
 
 They live in llama.cpp's C++ staging header `src/llama-ext.h`, so they are exported
 under C++-mangled names (Itanium on Linux/macOS, MSVC on Windows). This module is the
-only place that knows those names.
+only place that knows those names. `MTPContext` is the C side of an MTP draft source (mtp.py): the
+nextn calls and the extended batch it is fed through, behind the wall like the rest.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 from typing import Any, Callable
 
 import llama_cpp
+import numpy as np
 from llama_cpp import llama_cpp as _capi
 
 REQUIRED_VERSION = "0.3.36"
@@ -203,6 +205,112 @@ def mtp_api_present() -> bool:
 def layer_input_api_present() -> bool:
     """Whether the loaded libllama has the layer-input API DFlash reads the target's features through."""
     return all(getattr(f, "__name__", "") != "missing" for f in (set_embeddings_layer_inp, get_embeddings_layer_inp))
+
+
+# -- the MTP context (mtp.py drives it) ----------------------------------------------------------------------
+CONTEXT_TYPE_MTP = _capi.LLAMA_CONTEXT_TYPE_MTP  # llama_context_params.ctx_type of a context that runs MTP heads
+
+
+class _EmbdRow(ctypes.Structure):
+    """struct llama_embd with its data bound as an address: a row's address is set without a cast."""
+    _fields_ = [("data", ctypes.c_void_p), ("n_rows", ctypes.c_size_t), ("n_embd", ctypes.c_size_t)]
+
+
+# bool llama_batch_ext_set_embd_token(llama_batch_ext * batch, int32_t idx, struct llama_embd embd), with _EmbdRow
+_set_embd_row = _capi._lib["llama_batch_ext_set_embd_token"]
+_set_embd_row.argtypes = [_capi.llama_batch_ext_p_ctypes, ctypes.c_int32, _EmbdRow]
+_set_embd_row.restype = ctypes.c_bool
+
+# float * llama_get_logits_ith(llama_context * ctx, int32_t i), bound as an address (None for NULL)
+_get_logits_ith_address = _capi._lib["llama_get_logits_ith"]
+_get_logits_ith_address.argtypes = [_ctx, ctypes.c_int32]
+_get_logits_ith_address.restype = ctypes.c_void_p
+
+
+def model_mtp_shape(model: Any) -> tuple[int, int, int]:
+    """(MTP heads, vocabulary size, output row width) of a loaded model: what an MTP context on it needs."""
+    vocab = _capi.llama_model_get_vocab(model)
+    return (int(_capi.llama_model_n_layer_nextn(model)), int(_capi.llama_vocab_n_tokens(vocab)),
+            int(_capi.llama_model_n_embd_out(model)))
+
+
+class MTPContext:
+    """An MTP context (made by target.new_context with ctx_type CONTEXT_TYPE_MTP), owned from here on, and
+    the one extended batch it is fed through: each row is a token at a position with a hidden-state row
+    (an address of n_embd floats). `free()` frees both; the model is its owner's to release.
+
+    The calls per row are the cycle's hot path: the position and the row go through ctypes objects made
+    once, and the logits come back as a view built once per logits buffer.
+    """
+
+    def __init__(self, ctx: Any, n_embd: int, n_vocab: int) -> None:
+        batch = _capi.llama_batch_ext_init(ctx)
+        if not batch:
+            _capi.llama_free(ctx)
+            raise RuntimeError("libllama could not make a batch for the MTP context")
+        self.ctx, self.n_embd, self.n_vocab = ctx, n_embd, n_vocab
+        self._batch = batch
+        self._mem = _capi.llama_get_memory(ctx)
+        self._pos = ctypes.c_int32(0)
+        self._pos_ref = ctypes.byref(self._pos)
+        self._embd = _EmbdRow(None, 1, n_embd)  # its data address is set per row
+        self._logits: tuple[int, np.ndarray] = (0, np.empty(0, np.float32))  # (address, view) of the last logits
+        set_embeddings_nextn(ctx, True, True)  # the head's own row of each output, for chaining
+
+    def clear(self) -> None:
+        _capi.llama_batch_ext_clear(self._batch)
+
+    def add(self, token: int, pos: int, row_address: int, output: bool) -> None:
+        """One batch row: `token` at `pos`, paired with the hidden-state row at `row_address`."""
+        idx = _capi.llama_batch_ext_add_token(self._batch, 0, token)
+        if idx < 0:
+            raise RuntimeError(f"the MTP batch refused token {token} (error {idx})")
+        self._pos.value = pos
+        self._embd.data = row_address
+        if not _capi.llama_batch_ext_set_pos(self._batch, idx, self._pos_ref) or \
+                not _set_embd_row(self._batch, idx, self._embd):
+            raise RuntimeError(f"the MTP batch refused the position or the row of token {token}")
+        if output:
+            _capi.llama_batch_ext_set_output_logits(self._batch, idx, True)
+
+    def decode(self) -> None:
+        rc = _capi.llama_process(self.ctx, _capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
+        if rc != 0:
+            raise RuntimeError(f"the MTP context's decode failed with code {rc}")
+
+    def logits(self) -> np.ndarray:
+        """The last decode's first output row of logits (a view, valid until the next decode)."""
+        address = _get_logits_ith_address(self.ctx, 0)
+        if not address:
+            raise RuntimeError("the MTP context returned no logits")
+        if address != self._logits[0]:
+            view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+            self._logits = (address, view)
+        return self._logits[1]
+
+    def nextn_row(self) -> int:
+        """The address of the last decode's first output row of the head's own hidden state."""
+        address = get_embeddings_nextn_ith(self.ctx, 0)
+        if not address:
+            raise RuntimeError("the MTP context returned no nextn row")
+        return address
+
+    def remove(self, p0: int) -> None:
+        """Forget positions >= p0."""
+        if not _capi.llama_memory_seq_rm(self._mem, 0, p0, -1):
+            raise RuntimeError(f"could not remove MTP positions >= {p0}")
+
+    def clear_memory(self) -> None:
+        _capi.llama_memory_clear(self._mem, True)
+
+    def pos_max(self) -> int:
+        """The highest position the context holds (-1: none)."""
+        return int(_capi.llama_memory_seq_pos_max(self._mem, 0))
+
+    def free(self) -> None:
+        _capi.llama_batch_ext_free(self._batch)
+        _capi.llama_free(self.ctx)
+        self.ctx = self._batch = self._mem = None
 
 
 # -- ggml's backend registry (ggml-backend.h), which llama-cpp-python does not bind ---------------------------

@@ -13,8 +13,14 @@ reference, and `scripts/mtp_oracle.cpp` runs it: this source drafts the same tok
   from the MTP context (upstream removes them after every draft), so a verify's rejected tokens never
   reach it: only committed tokens are processed.
 
-Upstream processes every target batch as it is decoded; here committed tokens wait and are processed in
-one batch before the next draft (as the DFlash drafter's features are), so plain cycles cost no MTP pass.
+Upstream processes every target batch as it is decoded; here committed tokens wait (with their rows) and
+are processed in one batch before the head next drafts, so plain cycles cost no MTP pass. At the end of a
+prefill or a generation (`finish`) they are processed while the policy takes the head's offers; once it has
+declined SET_ASIDE_AFTER in a row, they wait: a head set aside costs no pass for turns it never drafts in,
+resets and cut follow-ups. It then holds at most 2 x MAX_WAITING waiting rows: past that the oldest are
+dropped, their positions held with no MTP state (drafts then see less of the distant past, upstream's see
+it all; the output is the same).
+The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
 Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
 sampled ones are drawn from the head's own distribution under the request's sampling settings, and
 rejection sampling against it keeps the output exactly the target's.
@@ -24,23 +30,30 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from typing import Callable
 
 import numpy as np
-from llama_cpp import llama_cpp as capi
 
 from . import llama_ext
 from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
 from .schema import Keys
-from .target import FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context
+from .steps import TokenSource
+from .target import (FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context, state_seq_get,
+                     state_seq_set)
 
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
 PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: a guess high enough that a head is tried;
 # the commits' evidence replaces it (decayed counts, LookupStats)
 _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
+# committed tokens wait (with their rows) until the head next drafts; past twice this many, the oldest are dropped
+# down to this many, held with no MTP state (see MTPSource): a head the policy has set aside costs no pass
+MAX_WAITING = 1024
+SET_ASIDE_AFTER = 16  # offers the policy declined in a row after which the head counts as set aside (see finish)
+_COUNT = struct.Struct("<I")  # a snapshot's count of waiting tokens
 
 
 def mtp_unusable_reason(target: Target) -> str | None:
@@ -64,10 +77,8 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
     model = load_model(path, n_gpu_layers=target.n_gpu_layers, load_mtp=True)
     shared = SharedModel(model, owned=True)
     arch = meta_str(model, Keys.ARCHITECTURE) or ""
-    n_heads = int(capi.llama_model_n_layer_nextn(model))
-    n_vocab = int(capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(model)))
-    n_embd = int(capi.llama_model_n_embd_out(model))
-    target_embd = int(capi.llama_model_n_embd_out(target.model))
+    n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model)
+    target_embd = llama_ext.model_mtp_shape(target.model)[2]
     reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
               if arch != target.architecture else
               "it holds no MTP heads" if n_heads == 0 else
@@ -85,7 +96,7 @@ class MTPHeads(NativeResource):
     KV cache of the head's one attention layer, fed the target's rows (`ctx_other` is the target's context).
 
     `process` adds committed positions (token + the target's row before it), `draft` runs the head
-    autoregressively after `last` and removes what it added.
+    autoregressively after `last` and removes what it added. The calls into C are llama_ext.MTPContext's.
     """
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
@@ -99,96 +110,81 @@ class MTPHeads(NativeResource):
             self._shared = _load_heads(heads, target)
         try:
             threads = target.n_threads if n_threads is None else n_threads
-            self._ctx = new_context(
+            ctx = new_context(
                 self._shared.ptr, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
-                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=capi.LLAMA_CONTEXT_TYPE_MTP,
+                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=llama_ext.CONTEXT_TYPE_MTP,
             )
+            self.n_embd = llama_ext.model_mtp_shape(self._shared.ptr)[2]
+            self._ctx: llama_ext.MTPContext | None = llama_ext.MTPContext(ctx, self.n_embd, target.n_vocab)
         except BaseException:
             self._shared.release()
             raise
-        self.n_embd = int(capi.llama_model_n_embd_out(self._shared.ptr))
         self.n_vocab = target.n_vocab
         self.n_batch = target.n_batch
-        self._mem = capi.llama_get_memory(self._ctx)
-        self._batch = capi.llama_batch_ext_init(self._ctx)
-        if not self._batch:
-            capi.llama_free(self._ctx)
-            self._ctx = None
-            self._shared.release()
-            raise RuntimeError("libllama could not make a batch for the MTP context")
-        self._pos = ctypes.c_int32(0)
-        self._pos_ref = ctypes.byref(self._pos)
-        llama_ext.set_embeddings_nextn(self._ctx, True, True)  # the head's own row of each output, for chaining
         target.output_nextn()
 
-    def _add(self, token: int, pos: int, h_address: int, output: bool) -> None:
-        idx = capi.llama_batch_ext_add_token(self._batch, 0, token)
-        if idx < 0:
-            raise RuntimeError(f"the MTP batch refused token {token} (error {idx})")
-        self._pos.value = pos
-        embd = capi.llama_embd(ctypes.cast(h_address, ctypes.POINTER(ctypes.c_float)), 1, self.n_embd)
-        if not capi.llama_batch_ext_set_pos(self._batch, idx, self._pos_ref) or \
-                not capi.llama_batch_ext_set_embd_token(self._batch, idx, embd):
-            raise RuntimeError(f"the MTP batch refused the position or the row of token {token}")
-        if output:
-            capi.llama_batch_ext_set_output_logits(self._batch, idx, True)
-
-    def _decode(self) -> None:
-        rc = capi.llama_process(self._ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
-        if rc != 0:
-            raise RuntimeError(f"the MTP context's decode failed with code {rc}")
+    def _live(self) -> llama_ext.MTPContext:
+        if self._ctx is None:
+            raise self._closed_error()
+        return self._ctx
 
     def process(self, tokens: list[int], start: int, rows: np.ndarray) -> None:
         """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before)."""
-        if self._ctx is None:
-            raise self._closed_error()
+        c = self._live()
         base, stride = rows.ctypes.data, self.n_embd * 4
         for lo in range(0, len(tokens), self.n_batch):
-            capi.llama_batch_ext_clear(self._batch)
+            c.clear()
             for i in range(lo, min(lo + self.n_batch, len(tokens))):
-                self._add(tokens[i], start + i, base + i * stride, False)
-            self._decode()
+                c.add(tokens[i], start + i, base + i * stride, False)
+            c.decode()
 
-    def draft(self, last: int, n_past: int, carry: np.ndarray, n: int,
+    def draft(self, last: int, n_past: int, carry: int, n: int,
               pick: Callable[[int, np.ndarray], int] | None = None) -> list[int]:
-        """n drafts after `last` at n_past, whose target row before is `carry`; the context keeps none.
-        Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
-        if self._ctx is None:
-            raise self._closed_error()
+        """n drafts after `last` at n_past, whose target row before is at address `carry`; the context keeps
+        none. Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
+        c = self._live()
         out: list[int] = []
-        token, h = int(last), carry.ctypes.data
+        token, h = int(last), carry
         try:
             for i in range(n):
-                capi.llama_batch_ext_clear(self._batch)
-                self._add(token, n_past + i, h, True)
-                self._decode()
-                logits = capi.llama_get_logits_ith(self._ctx, 0)
-                if not logits:
-                    raise RuntimeError("the MTP context returned no logits")
-                row = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+                c.clear()
+                c.add(token, n_past + i, h, True)
+                c.decode()
+                row = c.logits()
                 token = int(row.argmax()) if pick is None else pick(i, row)
                 out.append(token)
-                h = llama_ext.get_embeddings_nextn_ith(self._ctx, 0)
-                if not h:
-                    raise RuntimeError("the MTP context returned no nextn row")
+                if i + 1 < n:
+                    h = c.nextn_row()
         finally:
-            self.remove(n_past)
+            c.remove(n_past)
         return out
 
     def remove(self, n: int) -> None:
         """Forget positions >= n."""
-        if self._ctx is None:
-            raise self._closed_error()
-        if not capi.llama_memory_seq_rm(self._mem, 0, n, -1):
-            raise RuntimeError(f"could not remove MTP positions >= {n}")
+        self._live().remove(n)
+
+    def save_state(self) -> bytes:
+        """The MTP context's KV (every position it holds), as llama_state_seq bytes."""
+        return state_seq_get(self._live().ctx, 0)
+
+    def load_state(self, data: bytes, n: int) -> None:
+        """Replace the MTP context's KV with save_state's bytes of positions below n (some may be holes);
+        RuntimeError when libllama refuses them or they reach past n, ValueError for bytes that are no state
+        (the context is then empty either way)."""
+        c = self._live()
+        try:
+            state_seq_set(c.ctx, data, 0)
+            if c.pos_max() + 1 > n:
+                raise RuntimeError(f"the MTP context holds positions up to {c.pos_max()} after restoring {n}")
+        except BaseException:
+            c.clear_memory()
+            raise
 
     def close(self) -> None:
-        ctx = self._ctx
-        if ctx is None:
+        c, self._ctx = self._ctx, None
+        if c is None:
             return
-        self._ctx = None
-        capi.llama_batch_ext_free(self._batch)
-        capi.llama_free(ctx)
+        c.free()
         self._shared.release()
 
 
@@ -200,6 +196,7 @@ class MTPSource(DraftSource):
     """
 
     name = MTP_SOURCE
+    provenance = TokenSource.MTP
     needs_features = False
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
@@ -211,13 +208,15 @@ class MTPSource(DraftSource):
         self.target = target
         self.max_draft = min(max_draft, target.n_batch - 1)
         self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
-        self._n = 0  # positions the MTP context holds
-        self._tokens: list[int] = []  # committed since, positions _n.., waiting for one batch
+        self._n = 0  # positions the MTP context holds, or dropped while waiting (held with no state)
+        self._tokens: list[int] = []  # committed since, positions _n.., waiting for the next draft
         self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
         self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
         self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
         self._stride = self.heads.n_embd * 4  # bytes per row
         self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
+        self._offered = False  # whether it offered since the last commit
+        self._declined = 0  # offers the policy declined since it last took one
         self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
 
     def cached(self) -> int:
@@ -247,6 +246,7 @@ class MTPSource(DraftSource):
         return self.max_draft
 
     def offer(self, last: int, n_past: int, n_max: int) -> Offer:
+        self._offered = True
         if self._offer.n_max != n_max:
             self._offer = Offer(self.name, n_max, self.stats.expected_tokens(_DEPTH0, min(n_max, self.max_draft)))
         return self._offer
@@ -254,11 +254,11 @@ class MTPSource(DraftSource):
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
-        self.finish()
+        self._catch_up()
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
         if params.greedy:
-            tokens = self.heads.draft(last, n_past, self._carry, n_draft)
+            tokens = self.heads.draft(last, n_past, self._carry_address, n_draft)
             self._proposed = (n_past, tokens)
             return Candidate(self.name, np.asarray(tokens, dtype=np.int64))
         q = np.empty((n_draft, self.heads.n_vocab), dtype=np.float64)
@@ -267,7 +267,7 @@ class MTPSource(DraftSource):
             q[i] = probabilities(logits[None], params)[0]
             return sample_token(q[i], rng)
 
-        tokens = self.heads.draft(last, n_past, self._carry, n_draft, pick)
+        tokens = self.heads.draft(last, n_past, self._carry_address, n_draft, pick)
         self._proposed = (n_past, tokens)
         return Candidate(self.name, np.asarray(tokens, dtype=np.int64), q=q)
 
@@ -283,10 +283,14 @@ class MTPSource(DraftSource):
                 k += 1
             self.stats.observe(_DEPTH0, len(drafted), k)
             self._offer = Offer(self.name, 0)
+        if self._proposed is not None:
+            self._declined = 0
+        elif self._offered:
+            self._declined += 1
         self._proposed = None
+        self._offered = False
         if self.target.nextn_rows < n:
-            self._skip(commit.start + n)
-            return
+            raise RuntimeError(f"MTP source told of {n} tokens the target's last decode holds no rows for")
         # token i is paired with the target's row i - 1 of this batch, the first with the carry
         stride, carry = self._stride, self._carry_address
         src = self.target.nextn_address(n)
@@ -296,17 +300,56 @@ class MTPSource(DraftSource):
             ctypes.memmove(dst + stride, src, (n - 1) * stride)
         ctypes.memmove(carry, src + (n - 1) * stride, stride)
         self._tokens += commit.tokens
+        if len(self._tokens) > 2 * MAX_WAITING:
+            self._drop_waiting(len(self._tokens) - MAX_WAITING)
 
-    def _skip(self, end: int) -> None:
-        """Hold positions up to `end` with no MTP state: they came from a restored target state (the prompt
-        cache), which decoded nothing, so no row pairs with them. The head attends to what it holds (holes
-        are only fewer cells) and the next token pairs with no carry: drafts are poorer until the context
-        refills, and as lossless."""
-        self.finish()
-        self._n = end
-        self._carry[:] = 0.0
+    def _drop_waiting(self, k: int) -> None:
+        """Hold the k oldest waiting positions with no MTP state. The head attends to what it holds (holes are
+        only fewer cells), so drafts after a long streak without one see less of the distant past; lossless."""
+        rows = self._rows.view()[k:].copy()
+        self._rows.clear()
+        self._rows.extend(rows)
+        del self._tokens[:k]
+        self._n += k
+
+    def snapshot(self) -> bytes:
+        """Its whole state, for the prompt cache: the carry row, the waiting tokens and their rows, and the MTP
+        context's KV. Nothing is processed here: a restore resumes exactly where this source stood."""
+        n = len(self._tokens)
+        return (self._carry.tobytes() + _COUNT.pack(n) + np.asarray(self._tokens, np.int32).tobytes()
+                + self._rows.view().tobytes() + self.heads.save_state())
+
+    def restore(self, data: bytes, n: int) -> None:
+        """The state snapshot() returned after n positions: the next commit pairs with the same carry and the
+        head attends to the same KV after the same waiting tokens, so it drafts what it would have drafted.
+        RuntimeError (ValueError for bytes that are no such state) leaves it holding nothing."""
+        self._proposed = None
+        self._tokens.clear()
+        self._rows.clear()
+        self._n = 0
+        head = self._stride + _COUNT.size
+        count = _COUNT.unpack_from(data, self._stride)[0] if len(data) >= head else -1
+        state = head + count * (4 + self._stride)
+        if count < 0 or count > n or len(data) <= state:
+            self.heads.remove(0)
+            raise ValueError(f"not an MTP state of {n} positions ({len(data)} bytes)")
+        self.heads.load_state(data[state:], n - count)
+        self._carry[:] = np.frombuffer(data, np.float32, self.heads.n_embd)
+        self._tokens += np.frombuffer(data, np.int32, count, head).tolist()
+        self._rows.extend(np.frombuffer(data, np.float32, count * self.heads.n_embd, head + 4 * count)
+                          .reshape(count, self.heads.n_embd))
+        self._n = n - count
 
     def finish(self) -> None:
+        """Process the waiting tokens while the policy takes the head's offers, so the next draft's time (which
+        prices the head) is the draft's alone: after a prompt, a first draft would otherwise carry the whole
+        prompt's pass. Once it has declined SET_ASIDE_AFTER in a row they wait, and cost nothing unless it
+        drafts again."""
+        if self._declined < SET_ASIDE_AFTER:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Process the waiting tokens: their KV entries, in batches, before the head drafts."""
         if self._tokens:
             self.heads.process(self._tokens, self._n, self._rows.view())
             self._n += len(self._tokens)

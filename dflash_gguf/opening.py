@@ -32,7 +32,7 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
         n_batch=o.n_batch, n_gpu_layers=o.n_gpu_layers, n_threads=o.n_threads, flash_attn=o.flash_attn,
         verbose=o.verbose, n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
         type_k=o.type_k, type_v=o.type_v, rpc_servers=o.rpc_servers,
-        load_mtp=True,  # the model's own MTP heads, where it has them, draft beside the other sources
+        load_mtp=o.mtp,  # the model's own MTP heads, where it has them, draft beside the other sources
     )
     if o.sequences == 1:
         return Target.open(path, n_ctx=n_ctx, **settings,

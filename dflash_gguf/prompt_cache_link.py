@@ -123,7 +123,9 @@ class PromptCacheLink:
     def _load(self, snapshot: Snapshot) -> None:
         """Put the target, the drafter and every source in the state after snapshot.tokens."""
         n, drafter, sources = len(snapshot.tokens), self.speculation.drafter, self.speculation.sources
-        if "target" not in snapshot.parts or (drafter is not None) != ("drafter" in snapshot.parts):
+        mtp = self.speculation.mtp
+        if "target" not in snapshot.parts or (drafter is not None) != ("drafter" in snapshot.parts) or \
+                (mtp is not None) != ("mtp" in snapshot.parts):
             raise ValueError("the entry does not hold this Session's parts")
         self.state.invalidate(sources)
         self.target.load_sequence(snapshot.parts["target"])
@@ -137,16 +139,21 @@ class PromptCacheLink:
                 if drafter.pos_max() + 1 != n:
                     raise RuntimeError(f"the drafter holds {drafter.pos_max() + 1} positions after restoring {n}")
                 s.restored(n)
+            elif s is mtp:
+                s.restore(snapshot.parts["mtp"], n)
             else:  # its state is a function of the tokens (lookup indexes them where they are held)
                 s.observe(Commit(0, snapshot.tokens, sequence=self.state.tokens))
 
     def _snapshot(self, tokens: Sequence[int]) -> Snapshot | None:
         """The whole state after `tokens`, when every part of it is there: a plain generation leaves the
-        drafter behind the target, and then there is none."""
-        n, native = len(tokens), self.speculation.native
-        if n == 0 or self.target.pos_max(0) + 1 != n or (native is not None and native.cached() != n):
+        drafter and the MTP heads behind the target, and then there is none."""
+        n, native, mtp = len(tokens), self.speculation.native, self.speculation.mtp
+        behind = any(s is not None and s.cached() != n for s in (native, mtp))
+        if n == 0 or self.target.pos_max(0) + 1 != n or behind:
             return None
         parts = {"target": self.target.save_sequence()}
         if native is not None:
             parts["drafter"] = self.speculation.drafter.save_state()
+        if mtp is not None:
+            parts["mtp"] = mtp.snapshot()
         return Snapshot(tuple(tokens), parts)

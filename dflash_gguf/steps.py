@@ -27,6 +27,7 @@ class TokenSource(str, Enum):
     PLAIN = "plain"  # the target's own token in a plain cycle
     DRAFT = "draft"  # proposed by the native drafter, accepted by the target
     LOOKUP = "lookup"  # proposed by the n-gram lookup, accepted by the target
+    MTP = "mtp"  # proposed by the target's own MTP heads, accepted by the target
     GRAMMAR = "grammar"  # the only continuation a constraint admits, proposed for free, accepted by the target
     BONUS = "bonus"  # the target's own token after a verified draft
 

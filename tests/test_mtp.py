@@ -213,6 +213,42 @@ def test_greedy_output_under_a_grammar_is_plain_decoding_with_mtp(mtp_target):
             assert r.stats.per_source[MTP_SOURCE].n_drafted > 0, f"block {block}"
 
 
+def test_tokens_the_heads_drafted_carry_their_own_provenance_and_colour(mtp_target):
+    """Sampled hot (temperature 3 flattens both laws until rejection keeps some of the random head's drafts):
+    each accepted MTP draft is TokenSource.MTP, drawn in the chat's MTP colour, the cycle's last the bonus."""
+    from dflash_gguf.steps import TokenSource
+    from dflash_gguf.tui.provenance import Provenance, pieces_of
+
+    with open_session(mtp_target, lookup=False) as s:
+        steps = [step for seed in range(4)
+                 for step in s.stream("Good morning!", max_tokens=24, temperature=3.0, seed=seed, block_size=2)]
+    drafted = [step for step in steps if step.source == MTP_SOURCE]
+    assert drafted and all(step.provenance == (TokenSource.MTP,) * step.n_accepted + (TokenSource.BONUS,)
+                           for step in drafted)
+    accepted = [step for step in drafted if step.n_accepted]
+    assert accepted, "some sampled drafts pass"
+    assert any(kind is Provenance.MTP for step in accepted for _, kind in pieces_of(step))
+
+
+def test_the_chat_names_the_heads_among_its_sources(mtp_target):
+    """dflash-chat on a target whose heads draft: the subtitle and the sources panel name mtp, with its count."""
+    from test_tui_app import SHORT_PROMPT, options, rows, run_app, send_and_wait
+
+    from dflash_gguf.tui.app import ChatApp
+
+    with open_session(mtp_target) as s:
+        app = ChatApp(s, options(max_tokens=12, block_size=2))
+
+        async def scenario(pilot) -> None:
+            await send_and_wait(pilot, SHORT_PROMPT)
+            assert str(app.sub_title).startswith("lookup + mtp · block 2")
+            mtp = app.last_stats.per_source()[MTP_SOURCE]
+            assert mtp.n_drafted > 0
+            assert rows(app, "#sources")["mtp"] == f"{mtp.n_accepted}/{mtp.n_drafted} accepted ({mtp.acceptance_rate:.0%})"
+
+        run_app(app, scenario)
+
+
 def test_random_heads_are_learnt_to_fail(mtp_target, reference):
     """A random head's drafts fail, and MTP's own acceptance model learns it: what it offers falls from its
     prior. (Whether the policy then drafts depends on the measured costs: scripts/bench_mtp.py measures it.)"""
@@ -258,22 +294,127 @@ def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_ta
         assert chi_square_p_value(after, q) < ALPHA
 
 
-def test_a_restored_prompt_cache_entry_keeps_mtp_drafting_losslessly(mtp_target, reference, tmp_path):
-    """The prompt cache restores the target's state, not the MTP context's (not stored yet): the restored
-    positions have no MTP state, and the Session still restores, drafts with the heads and matches plain."""
+def test_a_prompt_cache_hit_drafts_what_the_miss_drafted(mtp_target, reference, tmp_path):
+    """The entry holds the MTP context's KV and the carry row with the target's state, so a resent prompt
+    restored from the cache leaves the head exactly where the cold prefill left it: the same drafts every
+    cycle, hence the same acceptances, and the same MTP state at the end, byte for byte (without the MTP
+    part the restored positions would hold no MTP state, and the state would differ)."""
     from dflash_gguf.prompt_cache import PromptCache
 
     prompt, want = reference
     cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
     with Session(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, lookup=False,
                  prompt_cache=cache) as s:
-        first = s.generate(prompt, max_tokens=len(want), block_size=3)
-        assert first.stats.prompt_cache.stored and first.tokens == want
+        miss = list(s.stream(prompt, max_tokens=len(want), block_size=3))
+        assert s.last_stats.prompt_cache.tier is None and s.last_stats.prompt_cache.stored
+        miss_state = s._mtp.snapshot()
         with s.fork() as other:
-            again = other.generate(prompt, max_tokens=len(want), block_size=3)
-    assert again.stats.prompt_cache.tier == "ram" and again.stats.n_cached_tokens > 0
-    assert again.tokens == want
-    assert again.stats.per_source[MTP_SOURCE].n_drafted > 0
+            hit = list(other.stream(prompt, max_tokens=len(want), block_size=3))
+            stats = other.last_stats
+            hit_state = other._mtp.snapshot()
+    assert stats.prompt_cache.tier == "ram" and stats.n_cached_tokens > 0
+    assert [t for step in hit for t in step.tokens] == [t for step in miss for t in step.tokens] == want
+    assert [(step.source, step.n_drafted, step.n_accepted) for step in hit] == \
+        [(step.source, step.n_drafted, step.n_accepted) for step in miss]
+    assert stats.per_source[MTP_SOURCE].n_drafted > 0
+    assert miss_state is not None and hit_state == miss_state
+
+
+def test_an_mtp_state_restores_exactly_or_leaves_nothing_held(mtp_target):
+    """A snapshot holds the processed KV and the tokens still waiting, with their rows: restored, the source
+    drafts what it would have; bytes that are no such state leave it empty, never half restored."""
+    prompt, more = PROMPTS[0], [77, 78, 79]
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            t.decode(prompt, 0)
+            source.observe(Commit(0, prompt, sequence=list(prompt)))
+            source.propose(5, len(prompt), 3, SamplingParams(), np.random.default_rng(0))  # the prompt processed
+            t.decode(more, len(prompt))
+            source.observe(Commit(len(prompt), more, sequence=prompt + more))  # waiting, not processed
+            n = len(prompt) + len(more)
+            state = source.snapshot()
+            want = source.propose(9, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+            source.truncate(0)
+            for bad, error in ((state[:16], ValueError), (state[:-40], RuntimeError)):
+                with pytest.raises(error):
+                    source.restore(bad, n)
+                assert source.cached() == 0
+            with pytest.raises(RuntimeError, match="after restoring"):
+                source.restore(state, len(prompt) - 1)  # the KV reaches past the positions claimed
+            assert source.cached() == 0
+            source.restore(state, n)
+            assert source.cached() == n and source.snapshot() == state
+            assert source.propose(9, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == want
+        finally:
+            source.close()
+
+
+def test_a_long_wait_drops_the_oldest_waiting_tokens(mtp_target, reference, monkeypatch):
+    """Past 2 x MAX_WAITING waiting tokens the oldest are held with no MTP state (a head set aside costs no
+    pass): the source keeps its count of positions, drafts after the holes, and a Session stays lossless."""
+    from dflash_gguf import mtp
+
+    monkeypatch.setattr(mtp, "MAX_WAITING", 8)
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            seq = list(PROMPTS[1])
+            t.decode(seq, 0)
+            source.observe(Commit(0, list(seq), sequence=seq))
+            for i in range(30):  # a plain streak: one token a cycle, no draft
+                t.decode([100 + i], len(seq))
+                seq.append(100 + i)
+                source.observe(Commit(len(seq) - 1, [100 + i], sequence=seq))
+                assert source.cached() == len(seq) and len(source._tokens) <= 16
+            held = source._n
+            assert held > 0 and source.heads._live().pos_max() == -1  # dropped, never processed
+            assert len(source.propose(5, len(seq), 3, SamplingParams(), np.random.default_rng(0)).tokens) == 3
+            assert source.heads._live().pos_max() == len(seq) - 1 and source._n == len(seq)
+        finally:
+            source.close()
+    prompt, want = reference
+    with open_session(mtp_target, lookup=False) as s:
+        assert s.generate(prompt, max_tokens=len(want)).tokens == want
+
+
+def test_waiting_tokens_are_processed_at_the_end_until_the_head_is_set_aside(mtp_target):
+    """finish() brings the head up to date while its offers are taken (so its next draft is timed alone), and
+    leaves the tokens waiting once the policy has declined SET_ASIDE_AFTER offers in a row."""
+    from dflash_gguf.mtp import SET_ASIDE_AFTER
+
+    with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            seq = list(PROMPTS[0])
+            t.decode(seq, 0)
+            source.observe(Commit(0, list(seq), sequence=seq))
+            source.finish()
+            assert source.heads._live().pos_max() == len(seq) - 1 and not source._tokens
+            for i in range(SET_ASIDE_AFTER):  # offered every cycle, never taken
+                source.offer(seq[-1], len(seq), 3)
+                t.decode([200 + i], len(seq))
+                seq.append(200 + i)
+                source.observe(Commit(len(seq) - 1, [200 + i], sequence=seq))
+                if i == SET_ASIDE_AFTER - 2:
+                    source.finish()  # one offer short: still processed
+                    assert not source._tokens
+            source.finish()
+            assert len(source._tokens) == 1 and source.cached() == len(seq)
+            source.propose(seq[-1], len(seq), 2, SamplingParams(), np.random.default_rng(0))  # taken: up to date
+            t.decode([seq[-1]], len(seq))
+            seq.append(seq[-1])
+            source.observe(Commit(len(seq) - 1, [seq[-1]], sequence=seq))
+            source.finish()
+            assert not source._tokens and source.heads._live().pos_max() == len(seq) - 1
+        finally:
+            source.close()
+
+
+def test_the_mtp_setting_turns_the_heads_off(mtp_target):
+    with open_session(mtp_target, mtp=False) as s:
+        assert not s.mtp and s.target.n_mtp_heads == 0
+        assert [src.name for src in s._sources] == ["lookup"]
 
 
 def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, capsys):
@@ -286,3 +427,29 @@ def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, ca
     assert "sources    lookup, mtp\n" in text and "the target's own MTP heads draft" in text
     assert main(["--target", str(hybrid_models.target("qwen35")), "--n-ctx", "512", "--threads", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pair"]["sources"] == ["lookup"]
+
+
+def test_dflash_bench_runs_an_mtp_mode_beside_dflash(mtp_target, hybrid_models, tmp_path, capsys):
+    """--modes mtp: the heads alone on their own Session; plain and dflash never load them (so dflash is the
+    drafter alone), and a target without heads is one line and exit 2."""
+    import json
+
+    from dflash_gguf.bench.cli import main
+
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "sea", "category": "chat", "prompt": "Say something about the sea."}) + "\n")
+    common = ["--prompts", str(prompts), "--drafter", str(hybrid_models.drafter("qwen35")), "--max-tokens", "12",
+              "--repeats", "1", "--no-warmup", "--threads", "1", "--block-size", "3", "--n-ctx", "512"]
+    out = tmp_path / "results"
+    rc = main(["--target", str(mtp_target), *common, "--modes", "dflash", "mtp", "--out", str(out), "--name", "mtp"])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    data = json.loads((out / "mtp.json").read_text())
+    assert data["settings"]["modes"] == ["plain", "dflash", "mtp"]
+    modes = data["summary"]["all"]["modes"]
+    assert set(modes["mtp"]["per_source"]) == {MTP_SOURCE} and modes["mtp"]["per_source"][MTP_SOURCE]["n_drafted"] > 0
+    assert MTP_SOURCE not in modes["dflash"]["per_source"]
+    assert "mtp median" in stdout
+    rc = main(["--target", str(hybrid_models.target("qwen35")), *common, "--modes", "mtp", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "mode mtp: the target has no MTP heads" in err

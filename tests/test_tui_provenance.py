@@ -22,6 +22,7 @@ def steps(dflash_gguf_path):
 def test_every_source_has_a_colour_and_lookup_its_own() -> None:
     assert display(TokenSource.DRAFT) is Provenance.DRAFT
     assert display(TokenSource.LOOKUP) is Provenance.LOOKUP
+    assert display(TokenSource.MTP) is Provenance.MTP
     assert display(TokenSource.BONUS) is Provenance.BONUS
     assert display(TokenSource.PLAIN) is display(TokenSource.PREFILL) is Provenance.PLAIN
     assert {display(s) for s in TokenSource} == set(Provenance)

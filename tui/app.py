@@ -161,9 +161,7 @@ class ChatApp(App[None]):
         block = "adaptive" if gen.block_size is None else str(gen.block_size)
         sampling = "greedy" if gen.temperature == 0 else f"T={gen.temperature:g}"
         info = self.worker.info
-        sources = [source_name(info.drafter_kind)] if info.drafter_kind else []
-        sources += ["lookup"] if info.lookup else []
-        drafts = " + ".join(sources) or "no drafts"
+        drafts = " + ".join(source_name(s) for s in info.sources()) or "no drafts"
         return f"{drafts} · block {block} · {sampling} · max {gen.max_tokens} tokens"
 
     # ---- sending and generating -------------------------------------------------------------
@@ -399,6 +397,6 @@ class ChatApp(App[None]):
             ("Regenerate", "Generate the last reply again", self.action_regenerate),
             ("Cancel generation", "Stop the running reply, keep what it produced", self.action_cancel),
             ("Compare with plain decoding", "Rerun the last prompt without drafts; both speeds side by side", self.action_compare),
-            ("Toggle provenance colours", "Colour tokens by drafter / lookup / bonus / plain", self.action_toggle_colours),
+            ("Toggle provenance colours", "Colour tokens by drafter / lookup / mtp / bonus / plain", self.action_toggle_colours),
             ("Toggle stats panel", "Show or hide the live statistics", self.action_toggle_stats),
         ]

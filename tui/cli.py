@@ -22,7 +22,7 @@ PROG = "dflash-chat"
 MIN_N_CTX = 64
 WORKERS = ("process", "thread")
 GENERATION = ("block_size", "temperature", "top_p", "top_k", "seed", "max_tokens")
-SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS,
+SESSION = ("n_gpu_layers", "n_gpu_layers_draft", "n_ctx", "n_threads", "lookup", "mtp", "recalibrate", *KV_CACHE_SETTINGS,
            "rpc_servers")
 # chosen by measurement: docs/TUI.md, "What the UI costs the decoder"
 DEFAULT_WORKER = "process"
@@ -105,12 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(lines[0] if lines else type(error).__name__)
     try:
         info = worker.info
-        if info.drafter_kind is None and not info.lookup:
+        if not info.sources():
             print(f"{PROG}: no drafter and no lookup, every reply is plain decoding (--drafter FILE adds one)",
                   file=sys.stderr)
         elif info.drafter_kind is None:
-            print(f"{PROG}: no drafter: replies speculate with n-gram lookup only (--drafter FILE adds one)",
-                  file=sys.stderr)
+            only = " and ".join(["n-gram lookup"] * info.lookup + ["the target's MTP heads"] * info.mtp)
+            print(f"{PROG}: no drafter: replies speculate with {only} only (--drafter FILE adds one)", file=sys.stderr)
         if args.block_size is not None and info.drafter_block_size is not None and args.block_size > info.drafter_block_size:
             return _fail(f"argument --block-size: {args.block_size} exceeds the drafter's block size {info.drafter_block_size}")
         if options.tools:

@@ -1,4 +1,4 @@
-"""How the chat colours a token: the decode loop's TokenSource folded into the five kinds it draws.
+"""How the chat colours a token: the decode loop's TokenSource folded into the six kinds it draws.
 
 Each Step carries `spans`, (text, TokenSource) pieces whose texts join to the Step's text, computed by
 the loop itself from the bytes it detokenized; the UI only maps each source to a colour class.
@@ -17,6 +17,7 @@ class Provenance(Enum):
 
     DRAFT = "draft"  # proposed by the drafter (DFlash, DFlash2, DSpark) and accepted by the target
     LOOKUP = "lookup"  # proposed by the n-gram lookup (copied from the context) and accepted by the target
+    MTP = "mtp"  # proposed by the target's own multi-token-prediction heads and accepted by the target
     GRAMMAR = "grammar"  # the only continuation the reply's grammar or schema admitted, drafted for free
     BONUS = "bonus"  # the target's own next token at the end of a verified block
     PLAIN = "plain"  # decoded by the target alone (the prefill's token, or a cycle without drafts)
@@ -29,6 +30,7 @@ _DISPLAY = {
     TokenSource.PLAIN: Provenance.PLAIN,
     TokenSource.DRAFT: Provenance.DRAFT,
     TokenSource.LOOKUP: Provenance.LOOKUP,
+    TokenSource.MTP: Provenance.MTP,
     TokenSource.GRAMMAR: Provenance.GRAMMAR,
     TokenSource.BONUS: Provenance.BONUS,
 }

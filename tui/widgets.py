@@ -34,6 +34,8 @@ LEGEND: tuple[Piece, ...] = (
     (" · ", Provenance.PLAIN),
     ("lookup", Provenance.LOOKUP),
     (" · ", Provenance.PLAIN),
+    ("mtp", Provenance.MTP),
+    (" · ", Provenance.PLAIN),
     ("grammar", Provenance.GRAMMAR),
     (" · ", Provenance.PLAIN),
     ("bonus", Provenance.BONUS),
@@ -394,10 +396,10 @@ class StatsPanel(VerticalScroll):
             sparkline.data = recent
 
     def _show_sources(self, stats: ReplyStats) -> None:
-        """The drafter's kind and lookup, each source's acceptance, and a confidence head's calibration."""
+        """The drafter's kind, lookup and MTP, each source's acceptance, and a confidence head's calibration."""
         info = self.info
         per_source = stats.per_source()
-        configured = ([info.drafter_kind] if info.drafter_kind else []) + (["lookup"] if info.lookup else [])
+        configured = info.sources()
         rows = [(source_name(s), _source_row(per_source.get(s))) for s in configured + sorted(set(per_source) - set(configured))]
         if not rows:
             rows = [("none", "plain decoding only")]

@@ -45,6 +45,12 @@ class SessionInfo:
     device: str  # where the target's layers are: 'CPU', 'CUDA0 (NVIDIA GeForce RTX 4090)', ...
     chat_template: str | None = None  # the GGUF's: --tools is checked against it, a reply's calls read with it
     prompt_cache: bool = False  # whether the Session has a prompt cache (--cache-ram / --cache-dir)
+    mtp: bool = False  # whether the target's own MTP heads draft (Session.mtp)
+
+    def sources(self) -> list[str]:
+        """The draft sources the Session was opened with, by their Step.source names: drafter, lookup, MTP."""
+        return ([self.drafter_kind] if self.drafter_kind else []) + (["lookup"] if self.lookup else []) + \
+            (["mtp"] if self.mtp else [])
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
@@ -58,6 +64,7 @@ class SessionInfo:
             device=session.placement.device,
             chat_template=session.target.chat_template(),
             prompt_cache=session.prompt_cache is not None,
+            mtp=session.mtp,
         )
 
 

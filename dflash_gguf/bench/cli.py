@@ -16,6 +16,7 @@ from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser, positive_int
 from dflash_gguf.config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 
 from .peers import PEERS
+from .runner import ALL_MODES
 
 
 GENERATION = ("max_tokens", "block_size", "forced_drafts")  # greedy always: outputs are compared token for token
@@ -39,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=2,
                    help="timed runs per mode and prompt, interleaved (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both"],
+    p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=list(ALL_MODES),
                    help="decoding modes, interleaved per prompt (default: plain dflash); lookup = n-gram lookup drafts "
-                        "only, both = lookup and DFlash in one loop")
+                        "only, both = lookup and DFlash in one loop, mtp = the target's own MTP heads only (a target "
+                        "that ships them); dflash, lookup and both never load the heads")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
     p.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),

@@ -29,7 +29,8 @@ from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
 
 MODES = ("plain", "dflash")
-ALL_MODES = ("plain", "lookup", "dflash", "both")  # both: lookup and DFlash in one loop, the policy choosing
+# both: lookup and DFlash in one loop, the policy choosing; mtp: the target's own MTP heads alone
+ALL_MODES = ("plain", "lookup", "dflash", "both", "mtp")
 
 
 # greedy, so that every mode's output can be compared with plain decoding's token for token
@@ -43,7 +44,7 @@ class BenchConfig:
     target: Path | None = None  # None: the embedded target
     drafter: Path | None = None  # None: the shipped drafter
     generation: GenerationConfig = BENCH_GENERATION  # speculative is set per mode
-    session: SessionOptions = BENCH_SESSION  # every mode's Session; lookup is set per mode
+    session: SessionOptions = BENCH_SESSION  # every mode's Session; lookup and mtp are set per mode
     repeats: int = 2
     warmup: bool = True
     peers: tuple[str, ...] = field(default_factory=tuple)
@@ -107,17 +108,25 @@ def lockstep_generations(sessions: dict, messages: list[dict], modes: Sequence[s
 def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> dict:
     """The Session each mode runs on: plain on the drafter's Session, dflash on a fork of it (same weights,
     its own contexts: the modes run side by side), lookup on a drafter-free Session (lookup is on by
-    default there), both on Session(..., lookup=True): the paths users run."""
+    default there), both on Session(..., lookup=True), mtp on a drafter-free Session with the target's MTP
+    heads and no lookup: the paths users run. Only the mtp mode loads MTP heads (`session` was opened
+    without), so dflash, lookup and both measure what they name on a target that ships heads too."""
+    from dflash_gguf.mtp import mtp_unusable_reason
     from dflash_gguf.session import Session
 
     target, drafter = session.target.path, session.drafter.path
+    without_mtp = replace(config.session, mtp=False)
     opened = {"plain": session}
     try:
         opened["dflash"] = session.fork()
         if "lookup" in modes:
-            opened["lookup"] = Session(target, None, config.session, lookup=True)
+            opened["lookup"] = Session(target, None, without_mtp, lookup=True)
         if "both" in modes:
-            opened["both"] = Session(target, drafter, config.session, lookup=True)
+            opened["both"] = Session(target, drafter, without_mtp, lookup=True)
+        if "mtp" in modes:
+            opened["mtp"] = mtp = Session(target, None, replace(config.session, mtp=True), lookup=False)
+            if not mtp.mtp:
+                raise ValueError(f"mode mtp: {mtp.speculative_disabled_reason or mtp_unusable_reason(mtp.target)}")
     except BaseException:
         close_mode_sessions(opened, session)
         raise
@@ -153,7 +162,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
     from dflash_gguf.session import Session
 
     config.validate()
-    session = Session(config.target, config.drafter, config.session, lookup=False)
+    session = Session(config.target, config.drafter, replace(config.session, mtp=False), lookup=False)
     with session:
         if session.drafter is None:
             raise ValueError(

@@ -23,7 +23,7 @@ from .config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, Se
                      default_max_body, machine_memory)
 
 PROG = "dflash-serve"
-SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "recalibrate", *KV_CACHE_SETTINGS,
+SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "mtp", "recalibrate", *KV_CACHE_SETTINGS,
            "rpc_servers")
 GENERATION = ("block_size", "speculative")
 
