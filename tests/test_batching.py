@@ -203,3 +203,20 @@ def test_a_recurrent_target_keeps_a_context_per_sequence(hybrid_models):
         second.close()
     finally:
         first.close()
+
+
+def test_the_prompt_cache_serves_every_sequence(tmp_path):
+    """One sequence's stored state restores into another sequence of the same context (a slot's conversation
+    resumed on another slot), target and drafter parts both, and the reply is the cold one (fixed blocks:
+    every cycle drafts, so the drafter's restored cells are used)."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    cache = PromptCache(ram_bytes=1 << 30)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6 + "Continue the story:"
+    with Session(n_ctx=1024, sequences=2, prompt_cache=cache) as first:
+        cold = first.generate(prompt, max_tokens=16, temperature=0, block_size=4)
+        assert cold.stats.prompt_cache.stored and cold.stats.prompt_cache.tier is None
+        with first.fork() as second:
+            warm = second.generate(prompt, max_tokens=16, temperature=0, block_size=4)
+    assert warm.stats.prompt_cache.tier == "ram" and warm.stats.prompt_cache.n_restored > 0
+    assert warm.tokens == cold.tokens and warm.stats.n_drafted > 0
