@@ -115,6 +115,7 @@ class SharedContext:
         self.batched_rows = 0  # their rows
         self.shared_batches = 0  # those that held rows of two sequences or more
         self.decode_s = 0.0  # their seconds in llama_decode
+        self.shared_passes: dict[Stage, int] = {stage: 0 for stage in Stage}  # passes of each stage with 2+ sequences
 
     # -- sequences -------------------------------------------------------------------------
     def sequence(self) -> "SequenceTarget":
@@ -225,6 +226,7 @@ class SharedContext:
                 taken.append(r)
         self._pending = [r for r in self._pending if r not in taken]
         taken.sort(key=lambda r: r.seq)  # libllama puts runs of consecutive ids in one micro-batch
+        self.shared_passes[stage] += len(taken) > 1
         try:
             runner(taken)
         except BaseException as e:

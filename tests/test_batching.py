@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from dflash_gguf import Session, SessionOptions
-from dflash_gguf.batching import SequenceTarget, SharedContext
+from dflash_gguf.batching import SequenceTarget, SharedContext, Stage
 from dflash_gguf.config import SettingError
 from dflash_gguf.controller import AdaptivePolicy, CostModel
 from dflash_gguf.server import ServerConfig, create_app
@@ -86,6 +86,37 @@ def test_replies_at_once_are_the_replies_alone(shared, alone, speculative):
     assert again == replies
     assert all(s.last_stats.n_cached_tokens > 0 for s in shared)
     assert [shared[i].committed_tokens[: len(follow[i])] for i in range(len(PROMPTS))] == follow
+
+
+def test_the_drafter_drafts_for_every_sequence_in_one_pass(shared, alone):
+    """Fixed blocks (every cycle drafts, whatever the batch pricing says): the sequences' blocks and feature
+    injections go out together, and each sequence's drafts are what it drafts alone: the same replies and the
+    same accepted drafts, cycle for cycle."""
+    solo = Session(n_ctx=1024)
+    expected = {}
+    for p in PROMPTS:
+        r = solo.chat(ask(p), max_tokens=N, temperature=0, block_size=4)
+        expected[p] = (r.tokens, r.stats.n_drafted, r.stats.n_accepted)
+        solo.reset()
+    solo.close()
+    for s in shared:
+        s.reset()
+    context = shared[0].target.shared
+    before = dict(context.shared_passes)
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(pair):
+        s, p = pair
+        start.wait()
+        r = s.chat(ask(p), max_tokens=N, temperature=0, block_size=4)
+        return r.tokens, r.stats.n_drafted, r.stats.n_accepted
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, zip(shared, PROMPTS)))
+    assert got == [expected[p] for p in PROMPTS]
+    assert sum(n_accepted for _, _, n_accepted in got) > 0  # the drafts are worth something: real features reached them
+    assert context.shared_passes[Stage.DRAFT] > before[Stage.DRAFT]
+    assert context.shared_passes[Stage.INJECT] > before[Stage.INJECT]
 
 
 def test_sequences_are_handed_out_and_given_back():
