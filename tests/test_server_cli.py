@@ -117,3 +117,43 @@ def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow  # dflash-serve in a fresh process
+def test_parallel_slots_are_sequences_of_one_context_and_answer_as_alone():
+    """--parallel 2: the start-up line says the slots decode in one batch, and two requests at once get, token
+    for token, what each gets by itself (greedy; speculation priced by the batch, so mostly plain here)."""
+    port = _free_port()
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--parallel", "2", "--n-ctx", "512", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        prompts = ["Name three primary colours.", "How many legs does a spider have?"]
+
+        def ask(p):
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": p}], "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        alone = [ask(p) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, prompts)) == alone
+        assert "dflash_batches_total" in httpx.get(url + "/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "2 slots decoding in one batch: sequences of one target context of 2 x 512 = 1024 cells" in err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -14,13 +14,16 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
 from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
                       add_arguments, from_arguments)
 from .config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig, default_cache_ram,
                      default_max_body, machine_memory)
+
+if TYPE_CHECKING:
+    from ..target import Target
 
 PROG = "dflash-serve"
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", "lookup", "mtp", "recalibrate", *KV_CACHE_SETTINGS,
@@ -80,9 +83,19 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
             from_arguments(p, CacheOptions, a, PROMPT_CACHE_SETTINGS))
 
 
-def _said_at_start(a: argparse.Namespace, cache: CacheOptions, n_ctx: int, n_ctx_train: int) -> list[str]:
+def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target") -> list[str]:
     """What the server chose for an agent out of the box, said once at start-up, and the one warning."""
-    lines = [f"context {n_ctx} tokens per slot ({'--n-ctx' if a.n_ctx else 'the model'}; trained for {n_ctx_train}), "
+    from ..batching import SequenceTarget  # libllama: loaded by then, but not for --help or a bad argument
+
+    n_ctx, n_ctx_train = target.n_ctx_seq, target.n_ctx_train
+    if isinstance(target, SequenceTarget):
+        slots = (f"{a.parallel} slots decoding in one batch: sequences of one target context of "
+                 f"{a.parallel} x {n_ctx} = {target.shared.owner.n_ctx} cells")
+    elif a.parallel > 1:
+        slots = f"{a.parallel} slots, a context each ({target.batching_disabled_reason})"
+    else:
+        slots = "one slot"
+    lines = [f"{slots}; context {n_ctx} tokens per slot ({'--n-ctx' if a.n_ctx else 'the model'}; trained for {n_ctx_train}), "
              f"replies up to {a.max_tokens or 'the end of the context'} tokens unless a request says, prompt cache "
              f"{_mib(cache.cache_ram)} in RAM{'' if cache.cache_dir is None else f' + {cache.cache_dir}'}, "
              f"request bodies up to {_mib(a.max_body_bytes)}, "
@@ -185,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = create_app(sessions, config)
         host, port = sock.getsockname()[:2]
         target = sessions[0].target
-        for line in _said_at_start(a, cache, target.n_ctx_seq, target.n_ctx_train):
+        for line in _said_at_start(a, cache, target):
             print(f"{PROG}: {line}", file=sys.stderr)
         print(f"{PROG}: serving {a.model_alias!r} with {a.parallel} slot(s) on http://{_url_host(host)}:{port}/v1",
               file=sys.stderr, flush=True)
