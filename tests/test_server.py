@@ -602,6 +602,38 @@ def test_a_queued_follow_up_turn_gets_the_slot_that_holds_its_conversation(base)
             s.close()
 
 
+@pytest.mark.slow  # a server of its own
+def test_a_retry_waits_for_the_prefill_it_repeats(base):
+    """A client that gives up on a long prefill and sends the same request again (Claude Code after 300 s
+    without events) joins it: its first request's generation is cancelled, so the retry waits for that slot,
+    though the other is free, and finds the whole prompt cached there instead of prefilling it twice."""
+    sessions = [base.fork(), base.fork()]
+    app = create_app(sessions, ServerConfig(max_queue=4))
+    prompt = ask("Summarise this: " + "the river runs to the sea and the sea runs to the sky; " * 12)
+    try:
+        with held(sessions[0]) as first, held(sessions[1]) as second, running(app) as (url, _):
+            with httpx.stream("POST", url + CHAT, timeout=120,
+                              json={"messages": prompt, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+                next(r.iter_lines())  # the prefill is done and the generation held: then the client leaves
+            _wait_for(lambda: app.state.engine.metrics.cancelled == 1)
+            with ThreadPoolExecutor(1) as pool:
+                retry = pool.submit(httpx.post, url + CHAT, timeout=120,
+                                    json={"messages": prompt, "max_tokens": 8, "temperature": 0})
+                _wait_for(lambda: _health(url)["queue_depth"] == 1)
+                assert _health(url)["slots_idle"] == 1  # it waits though a slot is free
+                first.set()
+                second.set()
+                r = retry.result(120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        slot = body["dflash"]["slot"]
+        assert body["timings"]["cache_n"] == body["usage"]["prompt_tokens"] - 1  # all but the last token cached
+        assert sessions[slot].last_stats.n_cached_tokens == body["usage"]["prompt_tokens"] - 1
+    finally:
+        for s in sessions:
+            s.close()
+
+
 async def _call(fn, *args):
     """fn(*args) on the running loop, awaited if it is a coroutine function (the pool is loop-only)."""
     out = fn(*args)

@@ -176,6 +176,7 @@ class Engine:
         except BaseException:
             acquire.cancel()
             raise
+        slot.prompt = prepared.tokens  # what the slot will hold: a retry of this request is routed to it
         queue_s = time.perf_counter() - prepared.t0
         self.metrics.queue_seconds += queue_s
         run = Run(self, prepared, slot, request, queue_s)

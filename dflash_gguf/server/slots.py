@@ -11,6 +11,11 @@ prompt shares at least AFFINITY_MARGIN more tokens with that slot's cache than w
 failing that, to the earliest waiter with no such home elsewhere; failing that, to the queue's head.
 So a queued follow-up turn waits for its own slot only while others can use the one that freed, and
 a slot never idles while anyone waits.
+
+A retry joins the prefill it repeats: a request whose home is a busy slot whose client has left (its
+generation is cancelled and ends at its next cycle, after the prefill in progress) waits for that slot
+rather than prefilling the same prompt again on a free one, and finds it cached there. Such a waiter never
+holds back anyone else: free slots stay free for the others.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Slot:
     session: Session
     last_used: float = 0.0
     busy: bool = False
+    ending: bool = False  # busy with a cancelled generation (its client left): free after its current cycle
+    prompt: Sequence[int] = ()  # the prompt of the generation it runs (it holds it once prefilled)
 
     @property
     def cached(self) -> Sequence[int]:
@@ -41,13 +48,15 @@ class Slot:
         return self.session.committed_tokens
 
     def shared_prefix(self, tokens: Sequence[int]) -> int:
-        return shared_prefix(self.cached, tokens)
+        """Tokens of `tokens` its cache holds, or will hold once the prompt it is prefilling is in."""
+        return max(shared_prefix(self.cached, tokens), shared_prefix(self.prompt, tokens))
 
 
 @dataclass(eq=False)
 class _Waiter:
     tokens: Sequence[int]
     future: asyncio.Future
+    home_only: bool = False  # waits for its home slot only (a retry of the prefill running there)
 
 
 class SlotPool:
@@ -77,13 +86,15 @@ class SlotPool:
         if self.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         free = [s for s in self.slots if not s.busy]
-        if free and not self._waiting:
+        home = self.home(tokens)
+        joins = home is not None and home.busy and home.ending
+        if free and not joins and all(w.home_only for w in self._waiting):
             return self._take(max(free, key=lambda s: (s.shared_prefix(tokens), -s.last_used)))
         if len(self._waiting) >= self.max_queue:
             raise APIError(429, f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests are "
                            "waiting (the queue is full); retry later", code="queue_full",
                            headers={"Retry-After": str(self.retry_after())})
-        waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(tokens, asyncio.get_running_loop().create_future(), home_only=joins)
         self._waiting.append(waiter)
         try:
             return await waiter.future
@@ -96,6 +107,7 @@ class SlotPool:
 
     def _take(self, slot: Slot) -> Slot:
         slot.busy = True
+        slot.ending = False
         return slot
 
     def release(self, slot: Slot, duration_s: float | None = None) -> None:
@@ -104,9 +116,14 @@ class SlotPool:
             self._durations.append(duration_s)
         slot.last_used = time.monotonic()
         slot.busy = False
+        slot.prompt = ()
         self._waiting = deque(w for w in self._waiting if not w.future.done())  # clients gone while queued
-        if self._waiting:
-            waiter = self._next_for(slot)
+        for w in self._waiting:  # a retry whose home is no longer a slot about to free waits like anyone else
+            if w.home_only:
+                home = self.home(w.tokens)
+                w.home_only = home is not None and home.busy and home.ending
+        waiter = self._next_for(slot) if self._waiting else None
+        if waiter is not None:
             self._waiting.remove(waiter)
             waiter.future.set_result(self._take(slot))
 
@@ -118,14 +135,15 @@ class SlotPool:
         first, second = ranked[0].shared_prefix(tokens), ranked[1].shared_prefix(tokens)
         return ranked[0] if first - second >= AFFINITY_MARGIN else None
 
-    def _next_for(self, slot: Slot) -> _Waiter:
-        """Who gets a freed slot: its own conversation first, then a waiter not tied elsewhere, then the head."""
+    def _next_for(self, slot: Slot) -> _Waiter | None:
+        """Who gets a freed slot: its own conversation first, then a waiter not tied elsewhere, then the first
+        that is not waiting for its home slot only (None: the slot stays free)."""
         homes = [self.home(w.tokens) for w in self._waiting]
         for want in (slot, None):
             for waiter, home in zip(self._waiting, homes):
-                if home is want:
+                if home is want and (not waiter.home_only or home is slot):
                     return waiter
-        return self._waiting[0]
+        return next((w for w in self._waiting if not w.home_only), None)
 
     def close(self) -> None:
         """Refuse new requests and every waiting one with 503; running generations are the app's to cancel."""

@@ -44,6 +44,7 @@ class Generation:
 
     def cancel(self) -> None:
         self._cancel.set()
+        self.slot.ending = True  # a retry of this request waits for the slot instead of prefilling it again
 
     @property
     def cancelled(self) -> bool:
