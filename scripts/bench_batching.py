@@ -6,6 +6,7 @@ Servers, each started as a subprocess on a free loopback port with --parallel P,
   plain      this tree: the slots are sequences of one context, --no-speculative
   dflash     this tree, speculative (the cost model prices each block by its share of the batch)
   upstream   llama-server -np P built from the vendored llama.cpp (--llama-server PATH), plain, if given
+  upstream-dflash  the same with the same drafter (-md, --spec-type draft-dflash, --spec-draft-n-max 15)
 For each concurrency C the C requests (distinct prompts, greedy, --max-tokens each) start together, --rounds
 times; tok/s is all completion tokens over the wall time. "8 at once / one at a time" divides the tok/s at the
 highest concurrency by the tok/s of the same requests sent one at a time (concurrency 1) to the same server.
@@ -120,7 +121,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="CPU threads (every server; default: each one's own choice)")
     p.add_argument("--baseline", help="the commit before batching across slots (its per-slot server is measured)")
     p.add_argument("--llama-server", type=Path, help="upstream llama-server binary (-np P, plain), if measured")
-    p.add_argument("--only", default="per-slot,plain,dflash,upstream", help="which servers, comma-separated")
+    p.add_argument("--only", default="per-slot,plain,dflash,upstream,upstream-dflash",
+                   help="which servers, comma-separated")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
@@ -154,6 +156,10 @@ def main() -> int:
         cmd = [str(a.llama_server), "-m", str(defaults.embedded_target()), "-np", str(a.parallel),
                "-c", str(1024 * a.parallel), "-fa", "on", "--host", "127.0.0.1", *(["-t", str(a.threads)] if a.threads else [])]
         out["servers"].append(measure("upstream", Server(cmd), a))
+        if "upstream-dflash" in only:  # the same drafter, upstream's draft-dflash with its blocks as ours
+            draft = [*cmd, "-md", str(defaults.embedded_drafter()), "--spec-type", "draft-dflash",
+                     "--spec-draft-n-max", "15"]
+            out["servers"].append(measure("upstream-dflash", Server(draft), a))
     out["load_after"] = os.getloadavg()
     print(f"\n| server | {' | '.join(f'c={c} tok/s' for c in a.concurrency)} | at once / one at a time | "
           "replies differing | RSS MiB |")
