@@ -39,9 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=2,
                    help="timed runs per mode and prompt, interleaved (default 2)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
-    p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both"],
+    p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=["plain", "lookup", "dflash", "both", "tree"],
                    help="decoding modes, interleaved per prompt (default: plain dflash); lookup = n-gram lookup drafts "
-                        "only, both = lookup and DFlash in one loop")
+                        "only, both = lookup and DFlash in one loop, tree = DFlash whose cycles may verify draft trees")
+    p.add_argument("--tree-nodes", type=positive_int, default=16,
+                   help="the tree mode's trees: up to N rows, the anchor included (default 16); adaptive, the controller "
+                        "chooses blocks or trees per cycle, with --block-size every drafting cycle verifies N rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
     p.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
@@ -133,6 +136,7 @@ def _bench(args: argparse.Namespace) -> int:
         llama_server=args.llama_server,
         reference_drafter=args.reference_drafter,
         modes=tuple(dict.fromkeys(["plain"] + list(args.modes))),
+        tree_nodes=args.tree_nodes,
     )
     result = run_benchmark(config, progress=lambda line: print(line, file=sys.stderr))
     paths = [
