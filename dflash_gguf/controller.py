@@ -176,6 +176,7 @@ class BlockChoice:
 
 
 _TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
+_SIZED_TRIAL_SHARE = 0.25  # a sized tree is tried where drafting every slot adds at most this share of a cycle
 _TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
 
@@ -328,7 +329,8 @@ class BlockController:
                 self._probe_after = self._base_probe_after
                 best = self._describe_shape(best_n, best_rows, expected, trees)
                 budget = len(trees) - 1
-                if trees and (sized > fixed or self._sized[2] * self._tree_decay() < _TREE_EVIDENCE):
+                if trees and (sized > fixed or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
+                                                and self._sized_trial_pays(best_n, best_rows))):
                     self._cycle_tree, self._cycle_sized = budget, True
                     why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized > fixed else "not tried lately"
                     return BlockChoice(self.max_draft, f"tree sized per cycle (<= {budget} rows): {why} (best fixed "
@@ -460,6 +462,13 @@ class BlockController:
         self._sized = [x * decay for x in self._sized]
         self._fixed = [x * decay for x in self._fixed]
         self._tree_cycle = self._cycle
+
+    def _sized_trial_pays(self, n: int, rows: int) -> bool:
+        """Whether trying a sized tree instead of the best fixed shape (n drafts, or a tree of `rows`) risks
+        little: its drafter pass covers every slot, which on a CPU can cost more than the verify it saves."""
+        best_s = self._tree_s(rows) if rows else self._cycle_s(n)
+        extra = self.costs.draft_s(self.max_draft + 1) - self.costs.draft_s(n + 1)
+        return extra <= _SIZED_TRIAL_SHARE * best_s
 
     def _realized_rates(self, estimate: float) -> tuple[float, float]:
         """Tokens per priced second lately: of trees sized per cycle, and of the fixed shapes the estimates
