@@ -386,11 +386,10 @@ class TreeShaper:
             _, ids, q, _ = self._shaped
             self.acceptance.observe(q, target_ranks(ids, [*self._accepted[1], tokens[0]]))
             self._shaped = self._accepted = None
-        elif self._shaped is not None and start == self._shaped[0]:
-            tree = self._shaped[3]
+        elif self._shaped is not None and start == self._shaped[0] and (path := follow(self._shaped[3], tokens)):
             self._accepted = (start + len(tokens), list(tokens[1:]))
-            self._outcome = tree_outcome(tree, follow(tree, tokens[1:]))
-        else:
+            self._outcome = tree_outcome(self._shaped[3], path)
+        else:  # not the tree's commit (a generation cut between its draft and its verify): forget it
             self._shaped = self._accepted = self._outcome = None
 
     def take_outcome(self) -> "TreeOutcome | None":
@@ -399,11 +398,17 @@ class TreeShaper:
         return out
 
 
-def follow(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
-    """The rows of the path whose drafts are `tokens`, anchor first (siblings hold distinct tokens)."""
+def follow(tree: DraftTree, tokens: Sequence[int]) -> list[int] | None:
+    """The rows of the path whose tokens (the anchor's first) are `tokens`, or None where they are no path of
+    the tree (siblings hold distinct tokens, so there is one at most)."""
+    if not tokens or tokens[0] != tree.tokens[0]:
+        return None
     path = [0]
-    for tok in tokens:
-        path.append(next(c for c in tree.children(path[-1]) if tree.tokens[c] == tok))
+    for tok in tokens[1:]:
+        row = next((c for c in tree.children(path[-1]) if tree.tokens[c] == tok), None)
+        if row is None:
+            return None
+        path.append(row)
     return path
 
 

@@ -10,6 +10,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
     python scripts/measure_tree.py collect --prompts ../shared/data/train_prompts.jsonl --out /tmp/tree_drafts.npz
     python scripts/measure_tree.py replay /tmp/tree_drafts.npz
     python scripts/measure_tree.py project /tmp/tree_drafts.npz --curve scripts/verify_curves/batched_bench_llama7b_f16.json
+        (fixed shapes, and the runtime's controller choosing plain, blocks or trees per cycle under that curve)
     python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
     python scripts/measure_tree.py live --prompts ../shared/data/train_prompts.jsonl   # τ through the Session
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,

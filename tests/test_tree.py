@@ -346,7 +346,7 @@ def test_a_tree_outcome_says_what_every_smaller_tree_and_its_chain_would_have_co
     for _ in range(200):
         cont = [int(ids[d, r]) if r < 5 else 0 for d, r in enumerate(rng.choice(6, size=8, p=[0.35, 0.25, 0.15, 0.1, 0.05, 0.1]))] + [0]
         path, _ = walk_greedy(full, lambda row: cont[full.depths[row]])
-        out = tree_outcome(full, follow(full, [full.tokens[r] for r in path[1:]]))
+        out = tree_outcome(full, follow(full, [full.tokens[r] for r in path]))
         for m in range(2, len(full) + 1):
             small = build_tree(1, ids, accept, m)
             p, _ = walk_greedy(small, lambda row: cont[small.depths[row]])
@@ -355,6 +355,7 @@ def test_a_tree_outcome_says_what_every_smaller_tree_and_its_chain_would_have_co
         while chain < out.chain_drafts and cont[chain] == ids[chain, 0]:
             chain += 1
         assert out.chain_accepted == chain and out.chain_drafts == full.depths[full.first_leaf]
+    assert follow(full, [1, 999]) is None and follow(full, [2]) is None  # no path of the tree: no outcome
 
 
 def _price_with(session: Session, seconds: dict[int, float], draft_s: float) -> None:
