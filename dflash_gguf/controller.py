@@ -329,8 +329,9 @@ class BlockController:
                 self._probe_after = self._base_probe_after
                 best = self._describe_shape(best_n, best_rows, expected, trees)
                 budget = len(trees) - 1
-                if trees and (sized > fixed or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
-                                                and self._sized_trial_pays(best_n, best_rows))):
+                # sized trees: where they did better lately, where only they beat plain decoding, or to try them
+                if trees and (sized > fixed or best_rate <= plain_rate or (
+                        self._sized[2] * self._tree_decay() < _TREE_EVIDENCE and self._sized_trial_pays(best_n, best_rows))):
                     self._cycle_tree, self._cycle_sized = budget, True
                     why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized > fixed else "not tried lately"
                     return BlockChoice(self.max_draft, f"tree sized per cycle (<= {budget} rows): {why} (best fixed "
