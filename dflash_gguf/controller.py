@@ -330,7 +330,7 @@ class BlockController:
                 best = self._describe_shape(best_n, best_rows, expected, trees)
                 budget = len(trees) - 1
                 # trees sized per cycle: where they did better lately, where only they beat plain decoding, or to
-                # try them (their rate is realized: measured cycles, which catch what the estimates get wrong)
+                # try them (their rate is realized: what their cycles committed, which no estimate reads high)
                 sized_pays = sized > fixed or best_rate <= plain_rate
                 if trees and (sized_pays or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
                                              and self._sized_trial_pays(best_n, best_rows))):
@@ -393,13 +393,10 @@ class BlockController:
         best = self._best(expected, self._trees_now(expected))[0]
         return best if best > 1.0 / self.costs.plain_s else None
 
-    def observe(self, n_draft: int, n_accepted: int, verified_rows: int | None = None,
-                seconds: float | None = None) -> bool:
+    def observe(self, n_draft: int, n_accepted: int, verified_rows: int | None = None) -> bool:
         """Record a cycle's outcome: `n_accepted` of `n_draft` drafts matched (n_draft 0 = a plain cycle);
         verified_rows: the rows the target verified. True where they were its source's tree (whose outcome
-        the tree sizes and, as its first chain, the block profile learn from; its timing is a tree's).
-        seconds: what the cycle took (draft, verify, keep), for the realized rates of trees sized per cycle
-        against the other shapes; None: as the costs price it (a replay)."""
+        the tree sizes and, as its first chain, the block profile learn from; its timing is a tree's)."""
         if not (isinstance(n_draft, int) and isinstance(n_accepted, int)):
             raise ValueError("n_draft and n_accepted must be integers")
         if not 0 <= n_accepted <= n_draft <= self.max_draft:
@@ -410,10 +407,10 @@ class BlockController:
             return False
         tree = outcome is not None and not outcome.is_path and outcome.rows == verified_rows
         if self.trees is not None and verified_rows is not None and not self._probing:
-            # what the cycle committed over its time, per way of shaping (sized per cycle or not)
-            if seconds is None:
-                seconds = self.costs.draft_s(n_draft + 1) + (
-                    self.costs.tree_verify_s(verified_rows) if tree else self.costs.verify_s(verified_rows))
+            # what the cycle committed over its time as the costs (learning from every cycle) price it, per way of
+            # shaping (sized per cycle or not): priced, so that a cycle slowed by another process counts as any other
+            seconds = self.costs.draft_s(n_draft + 1) + (
+                self.costs.tree_verify_s(verified_rows) if tree else self.costs.verify_s(verified_rows))
             self._tree_cycle_decay(self._tree_decay())
             into = self._sized if sized else self._fixed
             into[0] += n_accepted + 1
@@ -691,8 +688,7 @@ class AdaptivePolicy(Policy):
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
         c = self._controllers.get(choice.source) if choice.n_draft else None
-        if c is not None and c.observe(choice.n_draft, n_accepted, timing.block_tokens,
-                                       timing.draft_s + timing.verify_s + timing.rollback_s):
+        if c is not None and c.observe(choice.n_draft, n_accepted, timing.block_tokens):
             # a tree: its verify, the shared prefix and the kept path together, priced apart from blocks
             self.costs.observe("tree", timing.block_tokens, timing.verify_s + timing.rollback_s)
             c.observe_timing("draft", choice.n_draft + 1, timing.draft_s)
