@@ -13,15 +13,16 @@ import bisect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Protocol, Sequence
 
 from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
 if TYPE_CHECKING:
     from .sources import Candidate, Offer
+    from .tree import TreeShaper
 
-TimingKind = Literal["draft", "verify", "plain", "rollback"]
+TimingKind = Literal["draft", "verify", "plain", "rollback", "tree"]
 
 # an outlier sample (another process took the core) moves an estimate by at most this factor per update
 _MAX_SAMPLE_RATIO = 2.0
@@ -106,9 +107,16 @@ class CostModel:
         # the draft pass of each source without a controller (lookup, MTP), learnt as it drafts; kept here
         # so that it outlives one generation's policy, as the verify costs do
         self.source_drafts: dict[str, CostTable] = {}
+        # a draft tree's verify of n rows, sharing the prefix and keeping the accepted path included; None
+        # until a tree is verified: priced as a block of its rows (their batches cost alike: BENCHMARKS.md)
+        self.tree: CostTable | None = None
+        self._smoothing = smoothing
 
     def verify_s(self, n_tokens: int) -> float:
         return self.target.seconds(n_tokens) + (self.rollback.seconds(n_tokens) if self.rollback else 0.0)
+
+    def tree_verify_s(self, n_rows: int) -> float:
+        return self.verify_s(n_rows) if self.tree is None else self.tree.seconds(n_rows)
 
     def draft_s(self, block_tokens: int) -> float:
         return self.draft.seconds(block_tokens)
@@ -125,27 +133,55 @@ class CostModel:
         elif kind == "rollback":
             if self.rollback is not None:
                 self.rollback.update(n_tokens, max(seconds, _MIN_ROLLBACK_S))
+        elif kind == "tree":
+            if self.tree is None:  # the block's points until trees are measured there
+                self.tree = CostTable({n: self.verify_s(n) for n in self.target.points()}, smoothing=self._smoothing)
+            self.tree.update(n_tokens, seconds)
         else:
-            raise ValueError(f"timing kind must be 'draft', 'verify', 'plain' or 'rollback', got {kind!r}")
+            raise ValueError(f"timing kind must be 'draft', 'verify', 'plain', 'rollback' or 'tree', got {kind!r}")
+
+
+class VerifyCosts(Protocol):
+    """What pricing a cycle reads of the costs, the one seam between the measurements and the choice (a
+    `CostModel`; a curve that depends on how many requests share a batch can stand in for it)."""
+
+    @property
+    def plain_s(self) -> float: ...
+
+    def verify_s(self, n_tokens: int) -> float: ...
+
+    def tree_verify_s(self, n_rows: int) -> float: ...
+
+    def draft_s(self, block_tokens: int) -> float: ...
 
 
 @dataclass(frozen=True)
 class BlockChoice:
-    """One cycle's decision: verify `n_draft` drafted tokens (0 = decode plainly), and why."""
+    """One cycle's decision: verify `n_draft` drafted tokens (0 = decode plainly), and why.
+
+    tree_rows > 0: the drafter's candidates over n_draft slots are verified as a tree of that many rows, the
+    anchor included (tree.TreeShaper), instead of the linear block."""
 
     n_draft: int
     reason: str
     expected_tokens_per_s: float
     probe: bool = False  # a draft tried while the controller keeps to plain decoding
+    tree_rows: int = 0
+    sized: bool = False  # the tree is cut per cycle to the rows that pay best (tree.best_rows), up to tree_rows
 
     @property
     def block_size(self) -> int:
-        """Tokens the target processes this cycle: the last committed token plus the drafts."""
-        return self.n_draft + 1
+        """Rows the target processes this cycle: the last committed token plus the drafts, or the tree's rows."""
+        return self.tree_rows or self.n_draft + 1
+
+
+_TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
+_SIZED_TRIAL_SHARE = 0.25  # a sized tree is tried where drafting every slot adds at most this share of a cycle
+_TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
 
 class BlockController:
-    """Chooses the block size that maximises expected tokens per second, cycle by cycle.
+    """Chooses the block size (or draft tree) that maximises expected tokens per second, cycle by cycle.
 
     Acceptance is tracked per draft position as decayed Beta counts shrunk towards the pooled rate, so a
     few cycles are enough to react and positions never tried borrow from those that were. Once plain
@@ -153,6 +189,13 @@ class BlockController:
     streak that doubles on every probe that did not pay for itself, so probing a drafter that never passes
     costs a few percent; a probe that passes whole is followed at once by a longer one (3, 7, 15 drafts),
     because on some machines only long blocks can pay.
+
+    Where its source shapes trees (`attach_trees`), each size m of tree is priced beside the blocks: the
+    tokens an m-row tree commits, learned from every verified tree (which tells exactly what each of its
+    smaller best-first subtrees would have committed, tree.TreeOutcome), shrunk towards the block of m - 1
+    drafts (a tree of m rows holds at least as likely tokens as that chain), over the measured tree verify
+    costs. A size without recent evidence is tried one row past the best shape, so trees grow where they
+    pay and cost one slightly larger verify now and then where they do not.
     Call `choose` once per cycle, then `observe` with what happened.
     """
 
@@ -168,15 +211,18 @@ class BlockController:
         memory: float = 0.9,
         probe_after: int = 32,
         max_probe_after: int = 256,
+        tree_memory: float = 0.98,
+        tree_strength: float = 4.0,
     ) -> None:
         if not isinstance(max_draft, int) or max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
         if not 0.0 < prior_acceptance < 1.0:
             raise ValueError(f"prior_acceptance must be in (0, 1), got {prior_acceptance}")
-        if prior_strength <= 0.0 or pool_strength <= 0.0:
-            raise ValueError(f"prior_strength and pool_strength must be > 0, got {prior_strength}, {pool_strength}")
-        if not 0.0 < memory <= 1.0:
-            raise ValueError(f"memory must be in (0, 1], got {memory}")
+        if prior_strength <= 0.0 or pool_strength <= 0.0 or tree_strength <= 0.0:
+            raise ValueError("prior_strength, pool_strength and tree_strength must be > 0, got "
+                             f"{prior_strength}, {pool_strength}, {tree_strength}")
+        if not (0.0 < memory <= 1.0 and 0.0 < tree_memory <= 1.0):
+            raise ValueError(f"memory and tree_memory must be in (0, 1], got {memory}, {tree_memory}")
         if probe_after < 1 or max_probe_after < probe_after:
             raise ValueError("need 1 <= probe_after <= max_probe_after")
         self.max_draft = max_draft
@@ -198,6 +244,23 @@ class BlockController:
         self._probe_after = probe_after
         self._probing = False
         self._next_probe = 0  # > 0: the next cycle probes with this many drafts
+        self.trees: TreeShaper | None = None  # the shaper of the source's trees, once attached
+        self._tree_memory = tree_memory
+        self._tree_strength = tree_strength
+        self._tree_gain: list[float] = []  # [m]: decayed sum of what m-row trees committed beyond their 2 rows
+        self._tree_seen: list[float] = []  # [m]: decayed count of the cycles that tell it
+        self._tree_cycle = 0  # the cycle the tree counts were last decayed to
+        self._cycle_tree: int | None = None  # the tree rows of the cycle chosen and not yet observed
+        self._cycle_sized = False  # and whether it is sized per cycle
+        self._sized = [0.0, 0.0, 0.0]  # trees sized per cycle: decayed tokens, priced seconds, cycles
+        self._fixed = [0.0, 0.0, 0.0]  # the same of the other drafting cycles (blocks, trees of a chosen size)
+        self._trees_off_until = 0  # the loop verifies trees as their first path (a grammar): none before this cycle
+
+    def attach_trees(self, shaper: "TreeShaper") -> None:
+        """Its source shapes draft trees of up to shaper.budget rows: price them beside the blocks."""
+        self.trees = shaper
+        self._tree_gain = [0.0] * (shaper.budget + 1)
+        self._tree_seen = [0.0] * (shaper.budget + 1)
 
     # -- acceptance profile -------------------------------------------------------------------------
 
@@ -221,6 +284,24 @@ class BlockController:
             expected.append(expected[-1] + all_accepted)
         return expected
 
+    def tree_expected(self, linear: Sequence[float] | None = None) -> list[float]:
+        """Expected tokens committed by a tree of m rows, m = 0..budget (empty without trees).
+
+        A tree of 2 rows is the block of one draft, which the block profile estimates (`linear`:
+        expected_tokens()); a larger one adds what the verified trees' m likeliest rows committed beyond their
+        own first row on the same cycles (the gain is measured where the text was, whatever it was then),
+        shrunk towards the block of m - 1 drafts' gain."""
+        linear = self.expected_tokens() if linear is None else linear
+        decay = self._tree_decay()
+        strength = self._tree_strength
+        base = linear[1]
+        return [base + (gain * decay + strength * (linear[min(max(m - 1, 1), self.max_draft)] - base))
+                / (seen * decay + strength) for m, (gain, seen) in enumerate(zip(self._tree_gain, self._tree_seen))]
+
+    def _trees_now(self, expected: Sequence[float]) -> list[float]:
+        """tree_expected(), or none while the loop cannot verify trees."""
+        return self.tree_expected(expected) if self._cycle >= self._trees_off_until else []
+
     def _decay(self) -> float:
         """Evidence fades with the cycles since it was gathered, so a probe after a long plain run counts."""
         return self._memory ** max(0, self._cycle - self._last_observed_cycle)
@@ -229,24 +310,47 @@ class BlockController:
 
     def choose(self) -> BlockChoice:
         self._cycle += 1
+        self._cycle_tree, self._cycle_sized = None, False
         plain_rate = 1.0 / self.costs.plain_s
         if not self.adaptive:
             n, expected = self.max_draft, self.expected_tokens()
+            if self.trees is not None:
+                rows = self.trees.budget
+                self._cycle_tree = rows
+                return BlockChoice(n, f"fixed tree of {rows} rows", self._tree_rate(rows, self.tree_expected(expected)),
+                                   tree_rows=rows)
             return BlockChoice(n, f"fixed block {n + 1}: {self._describe(n, expected)}", self._rate(n, expected))
         if not self._aside:
             expected = self.expected_tokens()
-            best_n = max(range(1, self.max_draft + 1), key=lambda n: self._rate(n, expected))
-            best_rate = self._rate(best_n, expected)
-            if best_rate > plain_rate:
+            trees = self._trees_now(expected)
+            best_rate, best_n, best_rows = self._best(expected, trees)
+            sized, fixed = self._realized_rates(best_rate) if trees else (0.0, 0.0)
+            if max(sized, best_rate) > plain_rate:
                 self._probe_after = self._base_probe_after
-                reason = f"draft {best_n}: {self._describe(best_n, expected)} > plain {plain_rate:.0f} tok/s"
-                return BlockChoice(best_n, reason, best_rate)
+                best = self._describe_shape(best_n, best_rows, expected, trees)
+                budget = len(trees) - 1
+                # trees sized per cycle: where they did better lately, where only they beat plain decoding, or to
+                # try them (their rate is realized: what their cycles committed, which no estimate reads high)
+                sized_pays = sized > fixed or best_rate <= plain_rate
+                if trees and (sized_pays or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
+                                             and self._sized_trial_pays(best_n, best_rows))):
+                    self._cycle_tree, self._cycle_sized = budget, True
+                    why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized_pays else "not tried lately"
+                    return BlockChoice(self.max_draft, f"tree sized per cycle (<= {budget} rows): {why} (best fixed "
+                                       f"{best}; plain {plain_rate:.0f} tok/s)", sized, tree_rows=budget, sized=True)
+                rows = min(budget, (best_rows or best_n + 1) + 1)  # one row past the best shape
+                if rows >= 3 and self._tree_seen[rows] * self._tree_decay() < _TREE_EVIDENCE:
+                    n = min(self.max_draft, rows - 1)
+                    self._cycle_tree = rows
+                    reason = f"tree {rows} rows, a size not verified lately (best {best} > plain {plain_rate:.0f} tok/s)"
+                    return BlockChoice(n, reason, self._tree_rate(rows, trees), tree_rows=rows)
+                self._cycle_tree = best_rows
+                return BlockChoice(best_n, f"{best} > plain {plain_rate:.0f} tok/s", best_rate, tree_rows=best_rows)
             self._aside = True
             self._plain_streak = 0
             why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
-            self._aside_reason = (
-                f"plain: {why} (best draft {best_n}: {self._describe(best_n, expected)}) < plain {plain_rate:.0f} tok/s"
-            )
+            best = self._describe_shape(best_n, best_rows, expected, trees)
+            self._aside_reason = f"plain: {why} (best {best}) < plain {plain_rate:.0f} tok/s"
         # set aside: only probes look at the profile again, so a plain cycle costs the loop next to nothing
         if self._next_probe:  # the last probe passed whole: try a longer block at once
             n = self._next_probe
@@ -254,15 +358,26 @@ class BlockController:
             self._probing = True
             expected = self.expected_tokens()
             reason = f"probe draft {n} (the last probe passed): {self._describe(n, expected)}"
+            self._cycle_tree = 0
             return BlockChoice(n, reason, self._rate(n, expected), probe=True)
         if self._plain_streak >= self._probe_after:  # the cheapest draft tells whether drafts pass again
             self._plain_streak = 0
             self._probing = True
             expected = self.expected_tokens()
             reason = f"probe draft 1 after {self._probe_after} plain cycles: {self._describe(1, expected)}"
+            self._cycle_tree = 0
             return BlockChoice(1, reason, self._rate(1, expected), probe=True)
         self._plain_streak += 1
         return BlockChoice(0, self._aside_reason, plain_rate)
+
+    def tree_rows_now(self) -> int | None:
+        """The tree rows of the cycle `choose` chose (0: a linear block); None where this cycle was not
+        chosen by it (a fixed policy's block: its source verifies trees of its whole budget)."""
+        return self._cycle_tree
+
+    def sized_now(self) -> bool:
+        """Whether the tree `choose` chose is cut per cycle to the rows that pay best under the costs."""
+        return self._cycle_sized
 
     def drafting_rate(self) -> float | None:
         """Expected tokens/s of the block `choose` would draft now; None while it keeps to plain decoding.
@@ -275,17 +390,39 @@ class BlockController:
         expected = self.expected_tokens()
         if not self.adaptive:
             return self._rate(self.max_draft, expected)
-        best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
+        best = self._best(expected, self._trees_now(expected))[0]
         return best if best > 1.0 / self.costs.plain_s else None
 
-    def observe(self, n_draft: int, n_accepted: int) -> None:
-        """Record a cycle's outcome: `n_accepted` of `n_draft` drafts matched (n_draft 0 = a plain cycle)."""
+    def observe(self, n_draft: int, n_accepted: int, verified_rows: int | None = None) -> bool:
+        """Record a cycle's outcome: `n_accepted` of `n_draft` drafts matched (n_draft 0 = a plain cycle);
+        verified_rows: the rows the target verified. True where they were its source's tree (whose outcome
+        the tree sizes and, as its first chain, the block profile learn from; its timing is a tree's)."""
         if not (isinstance(n_draft, int) and isinstance(n_accepted, int)):
             raise ValueError("n_draft and n_accepted must be integers")
         if not 0 <= n_accepted <= n_draft <= self.max_draft:
             raise ValueError(f"need 0 <= n_accepted <= n_draft <= {self.max_draft}, got {n_accepted}, {n_draft}")
+        sized, self._cycle_tree, self._cycle_sized = self._cycle_sized, None, False
+        outcome = None if self.trees is None else self.trees.take_outcome()
         if n_draft == 0:
-            return
+            return False
+        tree = outcome is not None and not outcome.is_path and outcome.rows == verified_rows
+        if self.trees is not None and verified_rows is not None and not self._probing:
+            # what the cycle committed over its time as the costs (learning from every cycle) price it, per way of
+            # shaping (sized per cycle or not): priced, so that a cycle slowed by another process counts as any other
+            seconds = self.costs.draft_s(n_draft + 1) + (
+                self.costs.tree_verify_s(verified_rows) if tree else self.costs.verify_s(verified_rows))
+            self._tree_cycle_decay(self._tree_decay())
+            into = self._sized if sized else self._fixed
+            into[0] += n_accepted + 1
+            into[1] += seconds
+            into[2] += 1.0
+        if tree:
+            self._observe_tree(outcome.committed)
+            n_draft, n_accepted = outcome.chain_drafts, outcome.chain_accepted
+        elif verified_rows is not None:
+            n_draft = min(n_draft, verified_rows - 1)
+            if outcome is not None and not outcome.is_path:  # a tree verified as its first path: the loop judges
+                self._trees_off_until = self._cycle + _TREES_REFUSED_CYCLES  # one path at a time now (a grammar)
         decay = self._decay()
         self._accepted = [a * decay for a in self._accepted]
         self._tried = [t * decay for t in self._tried]
@@ -298,7 +435,7 @@ class BlockController:
         if self._probing:
             self._probing = False
             expected = self.expected_tokens()
-            best = max(self._rate(n, expected) for n in range(1, self.max_draft + 1))
+            best = self._best(expected, self._trees_now(expected))[0]
             plain_rate = 1.0 / self.costs.plain_s
             if n_accepted == 0:  # rejected outright: whatever the faded profile promises, wait twice as long
                 self._probe_after = min(2 * self._probe_after, self._max_probe_after)
@@ -310,20 +447,86 @@ class BlockController:
                 self._probe_after = self._base_probe_after  # the probe paid for itself: the profile may be turning
             else:  # wait twice as long before the next probe, so a hopeless drafter costs little
                 self._probe_after = min(2 * self._probe_after, self._max_probe_after)
+        return tree
+
+    def _observe_tree(self, committed: Sequence[int]) -> None:
+        """committed[m - 1]: what the verified tree's m likeliest rows would have committed."""
+        self._tree_cycle_decay(self._tree_decay())
+        for m in range(2, min(len(committed), len(self._tree_seen) - 1) + 1):
+            self._tree_gain[m] += committed[m - 1] - committed[1]
+            self._tree_seen[m] += 1.0
+
+    def _tree_decay(self) -> float:
+        return self._tree_memory ** (self._cycle - self._tree_cycle)
+
+    def _tree_cycle_decay(self, decay: float) -> None:
+        """Bring the tree counts to this cycle (each observation decays them all to its cycle first)."""
+        self._tree_gain = [g * decay for g in self._tree_gain]
+        self._tree_seen = [c * decay for c in self._tree_seen]
+        self._sized = [x * decay for x in self._sized]
+        self._fixed = [x * decay for x in self._fixed]
+        self._tree_cycle = self._cycle
+
+    def _sized_trial_pays(self, n: int, rows: int) -> bool:
+        """Whether trying a sized tree instead of the best fixed shape (n drafts, or a tree of `rows`) risks
+        little: its drafter pass covers every slot, which on a CPU can cost more than the verify it saves."""
+        best_s = self._tree_s(rows) if rows else self._cycle_s(n)
+        extra = self.costs.draft_s(self.max_draft + 1) - self.costs.draft_s(n + 1)
+        return extra <= _SIZED_TRIAL_SHARE * best_s
+
+    def _realized_rates(self, estimate: float) -> tuple[float, float]:
+        """Tokens per priced second lately: of trees sized per cycle, and of the fixed shapes the estimates
+        chose (blocks, trees of a size), realized against realized: the best estimate alone is the best of
+        many noisy ones, which reads high. Either without a record reads `estimate` (the best fixed shape's);
+        sized trees' few cycles shrink towards the fixed shapes' rate."""
+        decay = self._tree_decay()
+        f_tokens, f_seconds, f_cycles = (x * decay for x in self._fixed)
+        s_tokens, s_seconds, s_cycles = (x * decay for x in self._sized)
+        fixed = f_tokens / f_seconds if f_seconds > 0.0 else estimate
+        if s_seconds <= 0.0:
+            return fixed, fixed
+        strength = self._tree_strength * s_seconds / s_cycles  # that many cycles of the sized trees' mean time
+        return (s_tokens + strength * fixed) / (s_seconds + strength), fixed
 
     def observe_timing(self, kind: TimingKind, n_tokens: int, seconds: float) -> None:
         """Fold a measured draft pass (n_tokens = block tokens) or target batch into the cost model."""
         self.costs.observe(kind, n_tokens, seconds)
 
+    def _best(self, expected: Sequence[float], trees: Sequence[float]) -> tuple[float, int, int]:
+        """(tokens/s, drafts, tree rows or 0) of the best block or tree; the shorter block on a tie."""
+        best = (self._rate(1, expected), 1, 0)
+        for n in range(2, self.max_draft + 1):
+            rate = self._rate(n, expected)
+            if rate > best[0]:
+                best = (rate, n, 0)
+        for rows in range(3, len(trees)):  # two rows are the block of one draft
+            rate = self._tree_rate(rows, trees)
+            if rate > best[0]:
+                best = (rate, min(self.max_draft, rows - 1), rows)
+        return best
+
     def _cycle_s(self, n_draft: int) -> float:
         return self.costs.draft_s(n_draft + 1) + self.costs.verify_s(n_draft + 1)
+
+    def _tree_s(self, rows: int) -> float:
+        """A tree of `rows` rows: the drafter's pass over the slots it can reach, the tree's verify."""
+        return self.costs.draft_s(min(self.max_draft, rows - 1) + 1) + self.costs.tree_verify_s(rows)
 
     def _rate(self, n_draft: int, expected: Sequence[float]) -> float:
         return expected[n_draft] / self._cycle_s(n_draft)
 
+    def _tree_rate(self, rows: int, trees: Sequence[float]) -> float:
+        return trees[rows] / self._tree_s(rows)
+
     def _describe(self, n_draft: int, expected: Sequence[float]) -> str:
         seconds = self._cycle_s(n_draft)
         return f"E={expected[n_draft]:.1f} tok for {seconds * 1e3:.1f} ms = {expected[n_draft] / seconds:.0f} tok/s"
+
+    def _describe_shape(self, n_draft: int, rows: int, expected: Sequence[float], trees: Sequence[float]) -> str:
+        if not rows:
+            return f"draft {n_draft}: {self._describe(n_draft, expected)}"
+        seconds = self._tree_s(rows)
+        return f"tree {rows} rows: E={trees[rows]:.1f} tok for {seconds * 1e3:.1f} ms = {trees[rows] / seconds:.0f} tok/s"
 
 
 @dataclass(frozen=True)
@@ -484,12 +687,16 @@ class AdaptivePolicy(Policy):
         return CHEAP_DRAFT_S if table is None else table.seconds(block_tokens)
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
+        c = self._controllers.get(choice.source) if choice.n_draft else None
+        if c is not None and c.observe(choice.n_draft, n_accepted, timing.block_tokens):
+            # a tree: its verify, the shared prefix and the kept path together, priced apart from blocks
+            self.costs.observe("tree", timing.block_tokens, timing.verify_s + timing.rollback_s)
+            c.observe_timing("draft", choice.n_draft + 1, timing.draft_s)
+            return
         self.costs.observe("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
         if not choice.n_draft:  # a plain cycle tells no acceptance profile anything
             return
-        c = self._controllers.get(choice.source)
         if c is not None:
-            c.observe(choice.n_draft, n_accepted)
             c.observe_timing("draft", timing.block_tokens, timing.draft_s)
         elif timing.draft_s > 0:
             table = self._drafts.get(choice.source)

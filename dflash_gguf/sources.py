@@ -149,11 +149,36 @@ class NativeDrafterSource(DraftSource):
         self.drafter = drafter
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
-        self.controller: BlockController | None = None
-        self.tree: TreeShaper | None = None  # set: its cycles propose a tree of its budget (DFlash drafters)
+        self._controller: BlockController | None = None
+        self._tree: TreeShaper | None = None
         self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
+
+    @property
+    def controller(self) -> "BlockController | None":
+        """Its acceptance model and cycle chooser, set once its costs are measured."""
+        return self._controller
+
+    @controller.setter
+    def controller(self, controller: "BlockController | None") -> None:
+        self._controller = controller
+        self._attach()
+
+    @property
+    def tree(self) -> "TreeShaper | None":
+        """Set (DFlash drafters, tree_nodes): its cycles may verify trees; the controller prices them beside
+        blocks and chooses each cycle's shape (a fixed block verifies a tree of the whole budget)."""
+        return self._tree
+
+    @tree.setter
+    def tree(self, shaper: "TreeShaper | None") -> None:
+        self._tree = shaper
+        self._attach()
+
+    def _attach(self) -> None:
+        if self._controller is not None and self._tree is not None and self._controller.trees is not self._tree:
+            self._controller.attach_trees(self._tree)
 
     def cached(self) -> int:
         return self._n
@@ -185,9 +210,11 @@ class NativeDrafterSource(DraftSource):
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
         self.finish()
-        if self.tree is not None:  # chosen, not drawn: any sampling verifies them exactly (tree.walk_sampled)
-            costs = None if self.controller is None or not self.controller.adaptive else self.controller.costs
-            tree = self.tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), costs)
+        c = self._controller
+        rows = None if c is None else c.tree_rows_now()
+        if self._tree is not None and rows != 0:  # chosen, not drawn: any sampling verifies them exactly (walk_sampled)
+            costs = c.costs if c is not None and c.sized_now() else None
+            tree = self._tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), rows, costs)
             return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), point_mass=True, tree=tree)
         p = self.drafter.propose(last, n_past, n_draft, params, rng)
         return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)

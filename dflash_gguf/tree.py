@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -23,18 +23,10 @@ from .sampling import sample_token
 from .target import state_seq_get, state_seq_set
 
 if TYPE_CHECKING:
+    from .controller import VerifyCosts
     from .drafter import Drafter
     from .memory import TargetMemory
     from .target import Target
-
-
-class VerifyCosts(Protocol):
-    """What sizing a tree needs of the measured costs (controller.CostModel has it; the tree floor does not
-    import the policy, which imports the sources that carry trees)."""
-
-    def verify_s(self, n_tokens: int) -> float: ...
-
-    def draft_s(self, block_tokens: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -338,7 +330,11 @@ def target_ranks(ids: np.ndarray, continuation: Sequence[int]) -> list[int]:
 
 class TreeShaper:
     """Shapes each cycle's tree from the drafter's logits and learns, from what the target took, how its
-    candidates pass (a `CalibratedAcceptance`). One per draft source; `budget` rows per tree, the anchor included."""
+    candidates pass (a `CalibratedAcceptance`). One per draft source; `budget`: the most rows a tree may have,
+    the anchor included (the controller chooses each cycle's size up to it; a fixed block uses all of it).
+
+    After each verified tree it also says what trees of every smaller size would have committed (`TreeOutcome`),
+    which the controller learns from: `take_outcome()` once the loop has committed the cycle's tokens."""
 
     def __init__(self, n_slots: int, budget: int, *, k: int = 8) -> None:
         if budget < 2:
@@ -348,40 +344,106 @@ class TreeShaper:
         self.budget = budget
         self.k = k
         self.acceptance = CalibratedAcceptance(n_slots)
-        self._shaped: tuple[int, np.ndarray, np.ndarray] | None = None  # (n_past, ids, q) of the last tree
+        self._shaped: tuple[int, np.ndarray, np.ndarray, DraftTree] | None = None  # (n_past, ids, q, tree) of the last
         self._accepted: tuple[int, list[int]] | None = None  # (where its bonus is committed, accepted drafts)
+        self._outcome: TreeOutcome | None = None
 
-    def shape(self, anchor: int, n_past: int, logits: np.ndarray, costs: VerifyCosts | None = None) -> DraftTree:
-        """The tree after `anchor` at n_past from the drafter's logits (D, V) for slots 1..D.
+    def shape(self, anchor: int, n_past: int, logits: np.ndarray, rows: int | None = None,
+              costs: "VerifyCosts | None" = None) -> DraftTree:
+        """The tree of `rows` rows (default: the budget) after `anchor` at n_past from the drafter's logits
+        (D, V) for slots 1..D: its likeliest nodes under the calibrated acceptance.
 
-        costs: the measured verify costs; with them the rows are as many as pay best, up to the budget: the
-        expected tokens of each size (its likeliest nodes) over the cycle's time, the draft included.
-        """
-        self.observe(n_past, [anchor])  # the anchor is the last tree's bonus
-        rows = np.asarray(logits, dtype=np.float64)
-        ids = candidates(rows, self.k)
-        z = rows - rows.max(axis=1, keepdims=True)
+        costs: cut it to the rows that pay best this cycle (`best_rows`: this cycle's candidates' chances
+        over the measured verify costs), where the controller chose a tree sized per cycle."""
+        logits = np.asarray(logits, dtype=np.float64)
+        ids = candidates(logits, self.k)
+        z = logits - logits.max(axis=1, keepdims=True)
         log_norm = np.log(np.exp(z).sum(axis=1, keepdims=True))
         q = np.exp(np.take_along_axis(z, ids, axis=1) - log_norm)
-        self._shaped, self._accepted = (n_past, ids, q), None
+        return self.shape_candidates(anchor, n_past, ids, q, rows, costs)
+
+    def shape_candidates(self, anchor: int, n_past: int, ids: np.ndarray, q: np.ndarray,
+                         rows: int | None = None, costs: "VerifyCosts | None" = None) -> DraftTree:
+        """As `shape`, from each slot's candidates ids (D, k), best first, and their drafter probabilities q."""
+        rows = self.budget if rows is None else rows
+        if not 2 <= rows <= self.budget:
+            raise ValueError(f"rows must be in [2, {self.budget}] (the budget), got {rows}")
+        self.observe(n_past, [anchor])  # the anchor is the last tree's bonus
         accept = self.acceptance.accept(q)
-        tree = build_tree(anchor, ids, accept, self.budget)
-        if costs is None:
-            return tree
-        rows = best_rows(tree, costs.verify_s, costs.draft_s(len(q) + 1))
-        return tree if rows == len(tree) else build_tree(anchor, ids, accept, rows)
+        tree = build_tree(anchor, ids, accept, rows)
+        if costs is not None:
+            cut = best_rows(tree, costs.tree_verify_s, costs.draft_s(len(q) + 1))
+            if cut < len(tree):
+                tree = build_tree(anchor, ids, accept, cut)
+        self._shaped, self._accepted, self._outcome = (n_past, ids, q, tree), None, None
+        return tree
 
     def observe(self, start: int, tokens: Sequence[int]) -> None:
         """Tokens committed at start.. (the loop's Commit). The commit at the tree's anchor holds the accepted
-        drafts; the next one starts with the bonus, the target's token at the first slot it rejected."""
+        drafts (the path the target took, hence the outcome); the next one starts with the bonus, the target's
+        token at the first slot it rejected, which the calibration needs."""
         if self._accepted is not None and start == self._accepted[0]:
-            _, ids, q = self._shaped
+            _, ids, q, _ = self._shaped
             self.acceptance.observe(q, target_ranks(ids, [*self._accepted[1], tokens[0]]))
             self._shaped = self._accepted = None
-        elif self._shaped is not None and start == self._shaped[0]:
+        elif self._shaped is not None and start == self._shaped[0] and (path := follow(self._shaped[3], tokens)):
             self._accepted = (start + len(tokens), list(tokens[1:]))
-        else:
-            self._shaped = self._accepted = None
+            self._outcome = tree_outcome(self._shaped[3], path)
+        else:  # not the tree's commit (a generation cut between its draft and its verify): forget it
+            self._shaped = self._accepted = self._outcome = None
+
+    def take_outcome(self) -> "TreeOutcome | None":
+        """What the last shaped tree's cycle committed, and what smaller trees and its chain would have; once."""
+        out, self._outcome = self._outcome, None
+        return out
+
+
+def follow(tree: DraftTree, tokens: Sequence[int]) -> list[int] | None:
+    """The rows of the path whose tokens (the anchor's first) are `tokens`, or None where they are no path of
+    the tree (siblings hold distinct tokens, so there is one at most)."""
+    if not tokens or tokens[0] != tree.tokens[0]:
+        return None
+    path = [0]
+    for tok in tokens[1:]:
+        row = next((c for c in tree.children(path[-1]) if tree.tokens[c] == tok), None)
+        if row is None:
+            return None
+        path.append(row)
+    return path
+
+
+@dataclass(frozen=True)
+class TreeOutcome:
+    """A verified tree's cycle, and the counterfactuals the controller learns from.
+
+    committed[m - 1]: tokens the cycle would have committed (the bonus included) had the tree been only its
+    m likeliest rows, m = 1..rows (a best-first tree of m rows is exactly those). Exact under greedy
+    verification: the target's token at every row of the accepted path is known, and a smaller tree stops
+    where the path leaves it. chain_drafts / chain_accepted: the same cycle as a linear block of the tree's
+    first chain (the top-1 candidates), which the linear acceptance profile learns from.
+    """
+
+    rows: int
+    is_path: bool
+    committed: tuple[int, ...]
+    chain_drafts: int
+    chain_accepted: int
+
+
+def tree_outcome(tree: DraftTree, path: Sequence[int]) -> TreeOutcome:
+    """The outcome of a tree whose accepted rows are `path` (anchor first)."""
+    order = sorted(range(1, len(tree)), key=lambda r: (-tree.probs[r], tree.depths[r], r))
+    needed = {row: i + 2 for i, row in enumerate(order)}  # rows a best-first tree needs to hold this row
+    committed = [1] * len(tree)
+    need = 1
+    for k, row in enumerate(path[1:], start=1):  # the first k path rows are all in the trees of >= need rows
+        need = max(need, needed[row])
+        for m in range(need, len(tree) + 1):
+            committed[m - 1] = k + 1
+    chain = 0
+    while chain + 1 < len(path) and path[chain + 1] == chain + 1 <= tree.first_leaf:
+        chain += 1
+    return TreeOutcome(len(tree), tree.is_path, tuple(committed), tree.depths[tree.first_leaf], chain)
 
 
 def best_rows(tree: DraftTree, verify_s: Callable[[int], float], draft_s: float = 0.0) -> int:

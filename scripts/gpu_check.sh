@@ -128,7 +128,8 @@ embedded_status=null hybrid_status=null hybrid_target="" hybrid_drafter=""
 rm -f "$work/bench/embedded.json" "$work/bench/hybrid-qwen35.json"
 if [ "$skip_bench" = 0 ]; then
     embedded_status=0
-    "$py" "${bench[@]}" --name embedded || embedded_status=$?
+    # the tree mode (issue 36) in lockstep beside plain and linear DFlash: whether the controller turns trees on here
+    "$py" "${bench[@]}" --name embedded --modes dflash tree || embedded_status=$?
     hybrid_status=0
     rm -rf "$work/hybrid"  # built afresh (seconds): the converter refuses to overwrite a drafter
     if fixture=$("$py" tests/hybrid_fixtures.py "$work/hybrid" --bench --archs qwen35 | tail -n 1); then

@@ -10,6 +10,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
     python scripts/measure_tree.py collect --prompts ../shared/data/train_prompts.jsonl --out /tmp/tree_drafts.npz
     python scripts/measure_tree.py replay /tmp/tree_drafts.npz
     python scripts/measure_tree.py project /tmp/tree_drafts.npz --curve scripts/verify_curves/batched_bench_llama7b_f16.json
+        (fixed shapes, and the runtime's controller choosing plain, blocks or trees per cycle under that curve)
     python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
     python scripts/measure_tree.py live --prompts ../shared/data/train_prompts.jsonl   # τ through the Session
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, best_rows, build_tree, candidates, target_ranks, walk_greedy
+from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, build_tree, candidates, target_ranks, walk_greedy
 
 def held_out(prompts_file: Path, per_category: int, skip: int) -> list:
     from dflash_gguf.bench.suite import builtin_suite_path
@@ -102,12 +103,11 @@ def collect(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
-def replay_shape(data, budget: int, scoring: str, k: int, cost=None, draft_s: float = 0.0, adaptive: bool = False) -> dict:
+def replay_shape(data, budget: int, scoring: str, k: int, cost=None, draft_s: float = 0.0) -> dict:
     """Replay the loop with trees of `budget` rows (scoring 'linear': the top-1 block of that many rows).
 
     cost: seconds of a verify of n rows (a controller.CostTable); with it the replay also sums each cycle's
-    time, draft_s + cost(rows). adaptive: each cycle's rows are those that pay best under that cost
-    (tree.best_rows, as the runtime sizes adaptive trees), at most `budget`.
+    time, draft_s + cost(rows).
     """
     meta = json.loads(str(data["meta"]))
     slots = data["ids0"].shape[1]
@@ -130,8 +130,6 @@ def replay_shape(data, budget: int, scoring: str, k: int, cost=None, draft_s: fl
             else:
                 accept = model.table()
             tree = build_tree(int(seq[pos]), ids[pos], accept, budget)
-            if adaptive:
-                tree = build_tree(int(seq[pos]), ids[pos], accept, best_rows(tree, cost.seconds, draft_s))
             cont = seq[pos + 1 :]
             path, _ = walk_greedy(tree, lambda row: int(cont[tree.depths[row]]) if tree.depths[row] < len(cont) else -1)
             a = len(path) - 1
@@ -169,27 +167,86 @@ def replay(args: argparse.Namespace) -> None:
         print(f"| {name} | {budget} | {r['tau']:.2f} | {cats} |", flush=True)
 
 
+def replay_controller(data, cost: "CostModel", budget: int, k: int) -> dict:
+    """Replay the loop as the runtime runs it: each cycle the BlockController (cost model `cost`, which does
+    not learn here) chooses plain, a block or a tree and its size; trees are shaped by a TreeShaper (budget:
+    the largest; 0: blocks only), and both learn from the replayed outcomes only. Sums each cycle's priced time."""
+    from dflash_gguf.controller import BlockController
+    from dflash_gguf.tree import TreeShaper
+
+    meta = json.loads(str(data["meta"]))
+    slots = data["ids0"].shape[1]
+    controller = BlockController(slots, cost)
+    shaper = None
+    if budget:
+        shaper = TreeShaper(slots, budget, k=k)
+        controller.attach_trees(shaper)
+    cycles = tokens = tree_cycles = rows = 0
+    seconds = 0.0
+    for i, m in enumerate(meta):
+        seq, ids, logq = data[f"seq{i}"], data[f"ids{i}"][:, :, :k], data[f"logq{i}"][:, :, :k]
+        pos, n = m["n_prompt"], m["n"]
+        while pos < n - 1:
+            cont = seq[pos + 1 :]
+            anchor = int(seq[pos])
+            choice = controller.choose()
+            d = min(choice.n_draft, n - 1 - pos)
+            tree_rows = controller.tree_rows_now()
+            if d == 0:
+                path_tokens, verified, cost_s = [], 1, cost.plain_s
+            elif tree_rows:
+                tree = shaper.shape_candidates(anchor, pos, ids[pos][:d], np.exp(logq[pos][:d].astype(np.float64)),
+                                               tree_rows, cost if controller.sized_now() else None)
+                path, _ = walk_greedy(tree, lambda row: int(cont[tree.depths[row]]) if tree.depths[row] < len(cont) else -1)
+                path_tokens = [tree.tokens[r] for r in path[1:]]
+                verified = len(tree) if not tree.is_path else tree.first_leaf + 1
+                cost_s = cost.draft_s(d + 1) + (cost.verify_s(verified) if tree.is_path else cost.tree_verify_s(verified))
+                tree_cycles += not tree.is_path
+            else:
+                chain = ids[pos][:d, 0]
+                a = 0
+                while a < d and chain[a] == cont[a]:
+                    a += 1
+                path_tokens, verified, cost_s = list(chain[:a]), d + 1, cost.draft_s(d + 1) + cost.verify_s(d + 1)
+            if shaper is not None:
+                shaper.observe(pos, [anchor, *path_tokens])
+            if d:
+                controller.observe(d, len(path_tokens), verified)
+            step = min(len(path_tokens) + 1, n - 1 - pos)
+            cycles += 1
+            tokens += step
+            rows += verified
+            seconds += cost_s
+            pos += step
+    return {"tau": tokens / cycles, "rows": rows / cycles, "tree_share": tree_cycles / cycles,
+            "speedup": (tokens / seconds) * cost.plain_s}
+
+
 def project(args: argparse.Namespace) -> None:
     """Projected speedup over plain decoding under a verify cost curve read from a file: a projection from
     this drafter's exact acceptances, not a measurement on that machine."""
-    from dflash_gguf.controller import CostTable
+    from dflash_gguf.controller import CostModel, CostTable
 
     data = np.load(args.drafts)
     spec = json.loads(args.curve.read_text())
-    cost = CostTable({int(n): float(t) for n, t in spec["seconds"].items()})
+    points = {int(n): float(t) for n, t in spec["seconds"].items()}
+    cost = CostTable(points)
     draft_s = args.draft_ratio * cost.seconds(1)
     print(f"curve: {spec['label']} ({spec['source']}); draft pass = {args.draft_ratio} x a one-row step")
-    print("| shape | mean rows | τ | projected speedup |")
+    print("| shape | mean rows | τ | tree cycles | projected speedup |")
     best = max((replay_shape(data, n, "linear", args.k, cost, draft_s) | {"n": n} for n in range(2, 17)),
                key=lambda r: r["speedup"])
-    print(f"| linear block, best fixed length ({best['n']} rows) | {best['rows']:.1f} | {best['tau']:.2f} | "
+    print(f"| linear block, best fixed length ({best['n']} rows) | {best['rows']:.1f} | {best['tau']:.2f} | 0 | "
           f"{best['speedup']:.2f} |")
     for budget in (16, 32, 64):
         r = replay_shape(data, budget, "calibrated", args.k, cost, draft_s)
-        print(f"| tree, {budget} rows | {r['rows']:.1f} | {r['tau']:.2f} | {r['speedup']:.2f} |")
-    r = replay_shape(data, 64, "calibrated", args.k, cost, draft_s, adaptive=True)
-    print(f"| tree sized per cycle by the cost model (<= 64 rows) | {r['rows']:.1f} | {r['tau']:.2f} | "
-          f"{r['speedup']:.2f} |", flush=True)
+        print(f"| tree, {budget} rows | {r['rows']:.1f} | {r['tau']:.2f} | all | {r['speedup']:.2f} |")
+    for budget in (0, 16, 64):
+        model = CostModel(points, {1: max(draft_s, 1e-9)}, smoothing=1.0)  # held fixed: the replay observes no timing
+        r = replay_controller(data, model, budget, args.k)
+        name = "the controller, blocks only" if not budget else f"the controller, blocks or trees <= {budget} rows"
+        print(f"| {name} | {r['rows']:.1f} | {r['tau']:.2f} | {r['tree_share']:.0%} | **{r['speedup']:.2f}** |",
+              flush=True)
 
 
 def curve(args: argparse.Namespace) -> None:

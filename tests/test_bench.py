@@ -46,6 +46,7 @@ def test_builtin_suite_covers_math_code_and_chat() -> None:
         (["--peers", "llama-server"], "the llama-server peer needs --llama-server PATH"),
         (["--llama-server", "/nonexistent/llama-server"], "/nonexistent/llama-server: --llama-server is not a file"),
         (["--kernels", "--target", "/nonexistent/model.gguf"], "/nonexistent/model.gguf: no such file"),
+        (["--modes", "tree", "--tree-nodes", "1"], "tree_nodes: must be 0 or in [2, "),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path) -> None:
@@ -220,6 +221,40 @@ def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target,
     assert 1 <= generation.n_tokens <= 4
     missing = reference_tau(embedded_target, None, [], max_tokens=4)
     assert not missing.available and "--reference-drafter" in missing.reason
+
+
+def test_mode_summary_counts_the_cycles_that_verified_trees() -> None:
+    from dflash_gguf.bench.results import Generation, mode_summary
+    from dflash_gguf.steps import Step, StepKind
+
+    def cycle(drafted, accepted, nodes=0, branch=0):
+        return Step(kind=StepKind.DRAFT, tokens=[7] * (accepted + 1), text="", source="dflash", n_drafted=drafted,
+                    n_accepted=accepted, block_size=nodes or drafted + 1, tree_nodes=nodes, tree_branch=branch,
+                    cycle_s=0.01, verify_s=0.005)
+
+    prefill = Step(kind=StepKind.PREFILL, tokens=[1], text="", verify_s=0.02)
+    run = Generation("tree", 0, [1] + [7] * 7, 0.0, 0.0, 0.1,
+                     steps=[prefill, cycle(3, 2, nodes=8, branch=2), cycle(2, 1), cycle(4, 1, nodes=12)])
+    summary = mode_summary([run])
+    assert summary["tree_cycle_share"] == 2 / 3 and summary["tree_mean_rows"] == 10.0
+    assert summary["tree_mean_depth"] == 1.5 and summary["tree_off_chain_share"] == 0.5
+    assert mode_summary([Generation("dflash", 0, [1, 7], 0.0, 0.0, 0.1, steps=[prefill, cycle(2, 0)])])[
+        "tree_mean_rows"] is None
+
+
+def test_the_tree_mode_runs_in_lockstep_and_reports_its_trees(tmp_path, capsys) -> None:
+    """--modes tree: DFlash on a Session opened for trees, beside plain; with a fixed block every drafting cycle
+    verifies a tree of --tree-nodes rows (the forced shape), its output plain decoding's."""
+    out = tmp_path / "results"
+    rc, stdout, err = run_cli(["--prompts", str(_one_prompt(tmp_path)), "--max-tokens", "24", "--repeats", "1",
+                               "--threads", "1", "--modes", "tree", "--tree-nodes", "8", "--block-size", "8",
+                               "--out", str(out), "--name", "trees", "--no-warmup"], capsys)
+    assert rc == 0, err
+    data = json.loads((out / "trees.json").read_text())
+    assert data["settings"]["modes"] == ["plain", "tree"] and data["settings"]["tree_nodes"] == 8
+    tree = data["summary"]["all"]["modes"]["tree"]
+    assert tree["outputs_identical"] == 1 and tree["tree_cycle_share"] > 0.5 and 2 < tree["tree_mean_rows"] <= 8
+    assert "| tree |" in stdout and "cycles verifying a tree" in stdout
 
 
 def test_copy_heavy_prompts_carry_their_sources() -> None:

@@ -311,3 +311,81 @@ def test_lookup_drafts_while_the_drafter_is_set_aside() -> None:
     assert drafter.drafting_rate() is None
     choice = AdaptivePolicy(model).choose([lookup, Offer("dflash", 15, controller=drafter)])
     assert choice.source == "lookup" and choice.n_draft == lookup_alone.n_draft
+
+
+# -- draft trees priced beside blocks (issue 36) ---------------------------------------------------------
+
+def _curve(name: str) -> dict[int, float]:
+    """A published verify cost curve from scripts/verify_curves (seconds per batch of n rows)."""
+    import json
+    from pathlib import Path
+
+    spec = json.loads((Path(__file__).parent.parent / "scripts" / "verify_curves" / f"{name}.json").read_text())
+    return {int(n): float(s) for n, s in spec["seconds"].items()}
+
+
+def run_trees(model: CostModel, budget: int, cycles: int, rng: np.random.Generator) -> list[tuple[bool, int, float]]:
+    """Simulate cycles of a block drafter whose candidates at every slot are tokens 10, 11, 12, 13 (best
+    first), where the target's token is the drafter's first with probability 0.4, its second 0.3, its third
+    0.1, else none of them: what the second candidates hold only a tree can take. budget 0: blocks only.
+    Returns (a tree was verified, tokens committed, seconds as the model prices the cycle) per cycle; the
+    shaper and the controller are the runtime's."""
+    from dflash_gguf.tree import TreeShaper, walk_greedy
+
+    controller = BlockController(MAX_DRAFT, model)
+    shaper = TreeShaper(MAX_DRAFT, budget, k=4) if budget else None
+    if shaper is not None:
+        controller.attach_trees(shaper)
+    logits = np.full((MAX_DRAFT, 20), -6.0)
+    logits[:, 10:14] = [2.0, 1.6, 0.5, 0.0]
+    out, pos, anchor = [], 100, 1
+    for _ in range(cycles):
+        cont = [int(rng.choice([10, 11, 12, 99], p=[0.4, 0.3, 0.1, 0.2])) for _ in range(MAX_DRAFT + 1)]
+        n = controller.choose().n_draft
+        rows = controller.tree_rows_now()
+        tree = None
+        if n == 0:
+            tokens, seconds = [], model.plain_s
+        elif rows:
+            tree = shaper.shape(anchor, pos, logits[:n], rows, model if controller.sized_now() else None)
+            path, _ = walk_greedy(tree, lambda row: cont[tree.depths[row]])
+            tokens = [tree.tokens[r] for r in path[1:]]
+            verified = tree.first_leaf + 1 if tree.is_path else len(tree)
+            seconds = model.draft_s(n + 1) + (model.verify_s(verified) if tree.is_path else model.tree_verify_s(verified))
+        else:
+            a = 0
+            while a < n and cont[a] == 10:
+                a += 1
+            tokens, verified, seconds = cont[:a], n + 1, model.draft_s(n + 1) + model.verify_s(n + 1)
+        if shaper is not None:
+            shaper.observe(pos, [anchor, *tokens])
+        if n:
+            controller.observe(n, len(tokens), verified)
+        out.append((tree is not None and not tree.is_path, len(tokens) + 1, seconds))
+        pos += len(tokens) + 1
+        anchor = cont[len(tokens)]
+    return out
+
+
+def _rate(cycles: list[tuple[bool, int, float]]) -> float:
+    return sum(c[1] for c in cycles) / sum(c[2] for c in cycles)
+
+
+def test_trees_turn_on_where_the_verify_curve_is_flat() -> None:
+    """Under a published GPU curve (llama.cpp PR 5625, 34B Q8_0: t(8)/t(1) = 1.7), the controller learns that
+    trees commit more than blocks and verifies trees in most cycles, for more tokens per priced second than
+    the same controller with blocks only."""
+    curve = _curve("pr5625_llama34b_q8_0")
+    trees = run_trees(CostModel(curve, {16: 1e-4}), 16, 600, np.random.default_rng(0))[100:]
+    blocks = run_trees(CostModel(curve, {16: 1e-4}), 0, 600, np.random.default_rng(0))[100:]
+    assert sum(tree for tree, _, _ in trees) > 0.5 * len(trees)
+    assert _rate(trees) > 1.05 * _rate(blocks)
+
+
+def test_trees_stay_off_where_the_verify_cost_grows_with_rows() -> None:
+    """Under this CPU's kind of curve (16 rows cost ~9 single steps) the same drafter's trees do not pay:
+    at most the rare tree that tests a size is verified, and the rate is the blocks-only controller's."""
+    trees = run_trees(CostModel(Q4_1_TARGET, dict(DRAFT)), 16, 600, np.random.default_rng(0))
+    blocks = run_trees(CostModel(Q4_1_TARGET, dict(DRAFT)), 0, 600, np.random.default_rng(0))
+    assert sum(tree for tree, _, _ in trees) <= 0.05 * len(trees)
+    assert _rate(trees) >= 0.97 * _rate(blocks)

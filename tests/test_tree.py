@@ -332,3 +332,67 @@ def test_a_hybrid_target_verifies_linear_blocks_and_says_why(hybrid_models):
         r = s.generate("The capital of France is", max_tokens=24, block_size=8)
         assert r.stats.tree is None and r.stats.tree_disabled_reason == s.tree_disabled_reason
         assert r.stats.n_drafted > 0
+
+
+def test_a_tree_outcome_says_what_every_smaller_tree_and_its_chain_would_have_committed():
+    """TreeOutcome.committed[m - 1] equals verifying the m-row tree itself against the same target tokens, for
+    every m and many target continuations; the chain figures are the linear block of the tree's first chain."""
+    from dflash_gguf.tree import follow, tree_outcome
+
+    rng = np.random.default_rng(0)
+    ids = np.arange(40).reshape(8, 5) + 100
+    accept = np.sort(rng.uniform(0.05, 0.6, (8, 5)), axis=1)[:, ::-1]
+    full = build_tree(1, ids, accept, 24)
+    for _ in range(200):
+        cont = [int(ids[d, r]) if r < 5 else 0 for d, r in enumerate(rng.choice(6, size=8, p=[0.35, 0.25, 0.15, 0.1, 0.05, 0.1]))] + [0]
+        path, _ = walk_greedy(full, lambda row: cont[full.depths[row]])
+        out = tree_outcome(full, follow(full, [full.tokens[r] for r in path]))
+        for m in range(2, len(full) + 1):
+            small = build_tree(1, ids, accept, m)
+            p, _ = walk_greedy(small, lambda row: cont[small.depths[row]])
+            assert out.committed[m - 1] == len(p), m
+        chain = 0
+        while chain < out.chain_drafts and cont[chain] == ids[chain, 0]:
+            chain += 1
+        assert out.chain_accepted == chain and out.chain_drafts == full.depths[full.first_leaf]
+    assert follow(full, [1, 999]) is None and follow(full, [2]) is None  # no path of the tree: no outcome
+
+
+def _price_with(session: Session, seconds: dict[int, float], draft_s: float) -> None:
+    """The Session's drafter controller prices cycles with this verify curve (seconds per batch of n rows)
+    instead of the one it measured on this CPU: a cost model whose smoothing keeps the curve (the loop's
+    timings move it by a billionth each). The Session has no public seam for a foreign curve."""
+    from dflash_gguf.controller import BlockController, CostModel
+
+    costs = CostModel(seconds, {16: draft_s}, smoothing=1e-9)
+    session._native_source.controller = BlockController(session.drafter.max_draft, costs)
+    session._costs = None  # the next generation's policy takes the controller's
+
+
+def test_the_controller_turns_trees_on_under_a_gpu_curve_and_leaves_them_off_under_this_cpus(llama):
+    """The embedded pair, adaptive, trees of up to 16 rows. Priced with a published GPU curve (llama.cpp PR 5625,
+    34B Q8_0: 8 rows cost 1.7 single steps) the controller verifies trees in many cycles; priced with a curve of
+    this CPU's shape (16 rows cost ~9 steps, the drafter's pass half a step) it keeps to blocks or plain, but for
+    a rare tree that tries a size. The output is plain decoding's either way."""
+    import json
+    from pathlib import Path
+
+    spec = json.loads((Path(__file__).parent.parent / "scripts/verify_curves/pr5625_llama34b_q8_0.json").read_text())
+    gpu = {int(n): float(t) for n, t in spec["seconds"].items()}
+    cpu = {1: 0.011, 2: 0.015, 4: 0.024, 8: 0.050, 12: 0.075, 16: 0.097}
+    with Session(n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16, lookup=False) as s:
+        shares = {}
+        for name, curve, draft_s in (("gpu", gpu, 0.1 * gpu[1]), ("cpu", cpu, 0.006)):
+            _price_with(s, curve, draft_s)
+            steps = []
+            for prompt in CHAT[:2]:
+                text, _ = s.render_chat([{"role": "user", "content": prompt}])
+                tokens = s.tokenize(text, add_special=False)
+                s.reset()
+                run = list(s.stream_tokens(tokens, max_tokens=48))
+                assert [t for st in run for t in st.tokens] == _llama_greedy(llama, tokens, 48), (name, prompt)
+                steps += run[1:]
+            trees = [st for st in steps if st.tree_nodes]
+            assert all(st.reason.startswith("tree") for st in trees)
+            shares[name] = len(trees) / len(steps)
+    assert shares["gpu"] > 0.3 and shares["cpu"] <= 0.05, shares

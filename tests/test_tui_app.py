@@ -160,6 +160,25 @@ def test_finished_reply_is_markdown_with_its_stats(session) -> None:
     run_app(app, scenario)
 
 
+def test_a_reply_that_verified_trees_shows_them_in_the_stats(dflash_gguf_path) -> None:
+    """A Session opened for trees, a fixed block: every drafting cycle verifies a tree of 8 rows, and the panel
+    says so (the block row, and a trees row: cycles, rows, depth accepted, wins off the top-1 chain)."""
+    with Session(None, dflash_gguf_path, n_ctx=1024, n_threads=1, tree_nodes=8) as s:
+        app = ChatApp(s, options(max_tokens=24, block_size=8))
+
+        async def scenario(pilot: Pilot) -> None:
+            await send_and_wait(pilot, SHORT_PROMPT)
+            shown = figures(app)
+            stats = s.last_stats
+            assert shown["block"] == "tree of 8 rows" or stats.tree.cycles < stats.cycles
+            cycles, rest = shown["trees"].split(" cycles, ")
+            assert cycles == f"{stats.tree.cycles}/{stats.cycles}" and stats.tree.cycles >= 1
+            assert rest == (f"{stats.tree.mean_nodes:.1f} rows, depth {stats.tree.mean_depth:.2f}, "
+                            f"{stats.tree.off_chain} off the top-1 chain")
+
+        run_app(app, scenario)
+
+
 def test_tokens_are_coloured_by_provenance_and_the_key_turns_it_off(session) -> None:
     app = ChatApp(session, options(max_tokens=16))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from dflash_gguf.prompt_cache import CacheEvent
-from dflash_gguf.stats import Calibration, SourceStats, StatsBuilder
+from dflash_gguf.stats import Calibration, SourceStats, StatsBuilder, TreeStats
 from dflash_gguf.steps import Step, StepKind
 
 # the sparkline shows this many most recent cycles, one bar each
@@ -25,6 +25,7 @@ class ReplyStats:
         self.builder = StatsBuilder()
         self.recent_accepted: deque[int] = deque(maxlen=SPARKLINE_CYCLES)
         self.block_size: int | None = None
+        self.tree_nodes = 0  # rows of the latest cycle's draft tree; 0: a linear block or none
         self.reason = ""
         self.prefill_s: float | None = None
         # what the prompt cache did, from the Session's stats once the reply ended (None: not yet, or no cache)
@@ -39,6 +40,7 @@ class ReplyStats:
             return
         self.recent_accepted.append(step.n_accepted)
         self.block_size = step.block_size
+        self.tree_nodes = step.tree_nodes
         self.reason = step.reason
 
     # ---- what the panel reads ----------------------------------------------------------------
@@ -61,6 +63,12 @@ class ReplyStats:
     @property
     def tau(self) -> float | None:
         return self.builder.tau
+
+    @property
+    def tree(self) -> TreeStats | None:
+        """The reply's cycles that verified draft trees; None while none has."""
+        t = self.builder.tree
+        return TreeStats(*t) if t[0] else None
 
     @property
     def plain_cycles(self) -> int:

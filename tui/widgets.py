@@ -18,7 +18,7 @@ from textual.widgets import Collapsible, Input, Label, Markdown, Sparkline, Stat
 
 from dflash_gguf.kinds import all_kinds
 from dflash_gguf.prompt_cache import CacheEvent
-from dflash_gguf.stats import Baseline, Calibration, SourceStats
+from dflash_gguf.stats import Baseline, Calibration, SourceStats, TreeStats
 from dflash_gguf.stats import speedup as speedup_of
 from dflash_gguf.chat.tool_calls import ToolCall
 from dflash_gguf.tui.provenance import Piece, Provenance
@@ -299,6 +299,19 @@ def source_name(source: str) -> str:
     return next((kind.label for kind in all_kinds() if kind.name == source), source)
 
 
+def _block_row(stats: ReplyStats) -> str:
+    """The latest cycle's verify: a block of n tokens, or a draft tree of n rows."""
+    if stats.block_size is None:
+        return "—"
+    return f"tree of {stats.tree_nodes} rows" if stats.tree_nodes else str(stats.block_size)
+
+
+def _tree_row(tree: TreeStats, cycles: int) -> str:
+    """The cycles that verified draft trees: how many, their rows, the depth accepted, the wins off the chain."""
+    return (f"{tree.cycles}/{cycles} cycles, {tree.mean_nodes:.1f} rows, depth {tree.mean_depth:.2f}, "
+            f"{tree.off_chain} off the top-1 chain")
+
+
 def _source_row(stats: SourceStats | None) -> str:
     if stats is None or not stats.n_drafted:
         return "no drafts yet"
@@ -382,7 +395,8 @@ class StatsPanel(VerticalScroll):
             ("drafted", str(stats.drafted)),
             ("accepted", str(stats.accepted)),
             ("cycles", str(stats.cycles)),
-            ("block", "—" if stats.block_size is None else str(stats.block_size)),
+            ("block", _block_row(stats)),
+            *([] if stats.tree is None else [("trees", _tree_row(stats.tree, stats.cycles))]),
             ("reason", stats.reason or "—"),
         ]
         self._draw_rows("#figures", rows)

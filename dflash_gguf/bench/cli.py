@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=["plain", "dflash"], choices=list(ALL_MODES),
                    help="decoding modes, interleaved per prompt (default: plain dflash); lookup = n-gram lookup drafts "
                         "only, both = lookup and DFlash in one loop, mtp = the target's own MTP heads only (a target "
-                        "that ships them); dflash, lookup and both never load the heads")
+                        "that ships them), tree = DFlash whose cycles may verify draft trees; dflash, lookup, both "
+                        "and tree never load the heads")
+    p.add_argument("--tree-nodes", type=positive_int, default=16,
+                   help="the tree mode's trees: up to N rows, the anchor included (default 16); adaptive, the controller "
+                        "chooses blocks or trees per cycle, with --block-size every drafting cycle verifies N rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default ./bench-results)")
     p.add_argument("--name", default="dflash-bench", help="base name of the output files (default dflash-bench)")
     p.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
@@ -135,6 +139,7 @@ def _bench(args: argparse.Namespace) -> int:
         llama_server=args.llama_server,
         reference_drafter=args.reference_drafter,
         modes=tuple(dict.fromkeys(["plain"] + list(args.modes))),
+        tree_nodes=args.tree_nodes,
     )
     result = run_benchmark(config, progress=lambda line: print(line, file=sys.stderr))
     paths = [

@@ -188,7 +188,23 @@ def modes_markdown(result: BenchResult) -> str:
             cells += [_x(f["median_speedup"]), _x(f["min_speedup"])]
         identical = " ".join(f"{m} {s['modes'][m]['outputs_identical']}/{s['prompts']}" for m in modes)
         lines.append(f"| {category or 'all'} | {s['prompts']} | " + " | ".join(cells) + f" | {identical} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _tree_lines(result, modes)) + "\n"
+
+
+def _tree_lines(result: BenchResult, modes: list[str]) -> list[str]:
+    """Per mode whose Session may verify trees: the share of cycles that did, their rows, the depth accepted and
+    how often the accepted path left the top-1 chain (where a block would have stopped)."""
+    s = result.category_summary(None)["modes"]
+    shown = [m for m in modes if m == "tree" or s[m]["tree_mean_rows"] is not None]
+    if not shown:
+        return []
+    lines = ["", "| mode | τ | cycles verifying a tree | rows per tree | depth accepted | off the top-1 chain |",
+             "|---|---|---|---|---|---|"]
+    for m in shown:
+        f = s[m]
+        lines.append(f"| {m} | {_f(f['tau'], '.2f')} | {_pct(f['tree_cycle_share'])} | {_f(f['tree_mean_rows'])} | "
+                     f"{_f(f['tree_mean_depth'], '.2f')} | {_pct(f['tree_off_chain_share'])} |")
+    return lines
 
 
 def _x(value) -> str:

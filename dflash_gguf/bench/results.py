@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Sequence
 
-from dflash_gguf.stats import GenerationStats, SourceStats, StatsBuilder, collect, speedup
+from dflash_gguf.stats import GenerationStats, SourceStats, StatsBuilder, TreeStats, collect, speedup
 from dflash_gguf.lookup import LOOKUP_SOURCE
 from dflash_gguf.steps import Step
 
@@ -152,6 +152,17 @@ def mode_summary(runs: Sequence[Generation]) -> dict:
         "tokens_by_provenance": dict(view.tokens_by_provenance),
         # a confidence head's mean predicted acceptance against the observed one (stats.Calibration)
         "confidence": asdict(view.confidence) if view.confidence is not None else None,
+        **tree_figures(view.tree, cycles),
+    }
+
+
+def tree_figures(tree: TreeStats | None, cycles: int) -> dict:
+    """The cycles that verified draft trees (issue 36): their share, rows, depth accepted, wins off the chain."""
+    return {
+        "tree_cycle_share": (tree.cycles if tree else 0) / cycles if cycles else None,
+        "tree_mean_rows": tree.mean_nodes if tree else None,
+        "tree_mean_depth": tree.mean_depth if tree else None,
+        "tree_off_chain_share": tree.off_chain / tree.cycles if tree else None,
     }
 
 
@@ -225,6 +236,7 @@ class BenchResult:
             "lookup_accepted": sum(v["n_accepted"] for k, v in summary["per_source"].items() if k == LOOKUP_SOURCE),
             "draft_accepted": sum(v["n_accepted"] for k, v in summary["per_source"].items() if k != LOOKUP_SOURCE),
             "n_tokens": sum(g.n_tokens for g in runs),
+            **{k: summary[k] for k in ("tree_cycle_share", "tree_mean_rows", "tree_mean_depth", "tree_off_chain_share")},
         }
 
     def to_dict(self) -> dict:

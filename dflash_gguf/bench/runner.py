@@ -29,8 +29,9 @@ from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
 
 MODES = ("plain", "dflash")
-# both: lookup and DFlash in one loop, the policy choosing; mtp: the target's own MTP heads alone
-ALL_MODES = ("plain", "lookup", "dflash", "both", "mtp")
+# both: lookup and DFlash in one loop, the policy choosing; mtp: the target's own MTP heads alone; tree: DFlash
+# whose cycles may verify draft trees
+ALL_MODES = ("plain", "lookup", "dflash", "both", "mtp", "tree")
 
 
 # greedy, so that every mode's output can be compared with plain decoding's token for token
@@ -51,12 +52,15 @@ class BenchConfig:
     llama_server: Path | None = None
     reference_drafter: Path | None = None
     modes: tuple[str, ...] = MODES
+    tree_nodes: int = 16  # the tree mode's Session: trees of up to this many rows (SessionOptions.tree_nodes)
 
     def validate(self) -> None:
         if not self.prompts:
             raise ValueError("no prompts to benchmark")
         if "plain" not in self.modes or len(set(self.modes)) != len(self.modes) or set(self.modes) - set(ALL_MODES):
             raise ValueError(f"modes must include plain, each once, from {', '.join(ALL_MODES)}; got {list(self.modes)}")
+        if "tree" in self.modes:
+            replace(self.session, tree_nodes=self.tree_nodes)  # a SettingError naming tree_nodes where it cannot be
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be a positive integer, got {self.repeats!r}")
         if not self.generation.sampling.greedy:
@@ -109,8 +113,9 @@ def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> di
     """The Session each mode runs on: plain on the drafter's Session, dflash on a fork of it (same weights,
     its own contexts: the modes run side by side), lookup on a drafter-free Session (lookup is on by
     default there), both on Session(..., lookup=True), mtp on a drafter-free Session with the target's MTP
-    heads and no lookup: the paths users run. Only the mtp mode loads MTP heads (`session` was opened
-    without), so dflash, lookup and both measure what they name on a target that ships heads too."""
+    heads and no lookup, tree on Session(..., tree_nodes=N) (its target opened for trees: a unified cache, a
+    sequence per leaf): the paths users run. Only the mtp mode loads MTP heads (`session` was opened
+    without), so dflash, lookup, both and tree measure what they name on a target that ships heads too."""
     from dflash_gguf.mtp import mtp_unusable_reason
     from dflash_gguf.session import Session
 
@@ -127,6 +132,8 @@ def open_mode_sessions(session, modes: Sequence[str], config: BenchConfig) -> di
             opened["mtp"] = mtp = Session(target, None, replace(config.session, mtp=True), lookup=False)
             if not mtp.mtp:
                 raise ValueError(f"mode mtp: {mtp.speculative_disabled_reason or mtp_unusable_reason(mtp.target)}")
+        if "tree" in modes:
+            opened["tree"] = Session(target, drafter, replace(without_mtp, tree_nodes=config.tree_nodes), lookup=False)
     except BaseException:
         close_mode_sessions(opened, session)
         raise
@@ -196,6 +203,7 @@ def run_benchmark(config: BenchConfig, progress: Callable[[str], None] = lambda 
         "warmup": config.warmup,
         "n_ctx": config.session.n_ctx,
         "block_size": config.generation.block_size or f"adaptive (up to {block})",
+        **({"tree_nodes": config.tree_nodes} if "tree" in config.modes else {}),
         "sampling": "greedy",
         "modes": list(config.modes),
         "order": "per prompt, each repeat: " + ", ".join(config.modes) + " in lockstep (one cycle each in turn, "
