@@ -303,10 +303,11 @@ def compare_rows(app: ChatApp) -> dict[str, str]:
     return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
 
 
-@pytest.mark.slow  # a 240-token reply and its 240-token compare run
+@pytest.mark.slow  # a 96-token reply and its 96-token compare run
 def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(session) -> None:
-    """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing."""
-    app = ChatApp(session, options(max_tokens=240))
+    """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing.
+    96 tokens: twelve times the plain cycles a baseline needs (stats.MIN_BASELINE_CYCLES), several draws."""
+    app = ChatApp(session, options(max_tokens=96))
     drawn: list[tuple[dict[str, str], bool]] = []  # every panel draw, and whether the plain run was current
 
     async def scenario(pilot: Pilot) -> None:
@@ -328,7 +329,7 @@ def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(s
             # its only baseline is its own plain cycles: decode and plain are the same measurement
             assert shown["plain"].endswith("in reply")
             assert number(shown["speedup"]) == pytest.approx(1.0, abs=0.005)
-    # the last draw of the run (its final flush) has all 240 plain cycles: enough for a figure
+    # the last draw of the run (its final flush) has all 96 plain cycles: enough for a figure
     assert during and during[-1]["speedup"] != NOT_MEASURED, "enough plain cycles for a figure"
 
 
