@@ -67,7 +67,9 @@ def client(served):
     return served[0]
 
 
-FULL_N_CTX = 256  # a short context, so that replies run to its end in seconds (libllama pads a context to a multiple of 256: 192 ran as 256)
+# a short context, so that replies run to its end in seconds: libllama's least (it pads a context to a multiple
+# of 256: 192 ran as 256)
+FULL_N_CTX = 256
 
 
 @pytest.fixture(scope="module", params=["hermes", "qwen3.5"])
