@@ -504,15 +504,25 @@ def test_a_reply_one_chat_stores_is_a_disk_hit_in_the_next_and_the_panel_shows_i
         run_app(second, restore)
 
 
-def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:
+SMALL_N_CTX = 256  # libllama's least context (it pads to a multiple of 256): filling it is a short prefill
+
+
+@pytest.fixture
+def small_session(dflash_gguf_path):
+    """`session`'s pair on a context of SMALL_N_CTX tokens."""
+    with Session(None, dflash_gguf_path, n_ctx=SMALL_N_CTX, n_threads=1) as s:
+        yield s
+
+
+def test_context_full_is_shown_and_the_app_keeps_running(small_session) -> None:
+    session, n_ctx = small_session, SMALL_N_CTX
     app = ChatApp(session, options(max_tokens=16))
     # prompt tokens the chat template adds around one word, measured through the public chat API
     template_tokens = session.chat([{"role": "user", "content": "apple"}], max_tokens=1).stats.n_prompt_tokens - 1
-    n_ctx = 1024
 
     async def scenario(pilot: Pilot) -> None:
         # a prompt longer than the context: the reply fails, the app goes on
-        app.query_one("#prompt").value = "apple " * 1100
+        app.query_one("#prompt").value = "apple " * (n_ctx + 76)
         await press_and_wait(pilot, "enter")
         [failed] = replies(app)
         assert failed.has_class("-failed")
