@@ -13,6 +13,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
         (fixed shapes, and the runtime's controller choosing plain, blocks or trees per cycle under that curve)
     python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
     python scripts/measure_tree.py live --prompts ../shared/data/train_prompts.jsonl   # τ through the Session
+    python scripts/measure_tree.py live --per-category 6 --max-tokens 96   # every benchmark prompt: τ, replies = plain
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
 as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
 """
@@ -303,21 +304,34 @@ def curve(args: argparse.Namespace) -> None:
 
 def live(args: argparse.Namespace) -> None:
     """τ through the Session itself, a 16-row tree against the 16-token block, fixed shapes, greedy, on the
-    same held-out prompts: the loop's own figure next to the replay's."""
+    same held-out prompts: the loop's own figure next to the replay's. Also how many replies of each shape are
+    plain decoding's token for token (tests/test_tree.py checks three prompts; this, every prompt given)."""
     from dflash_gguf import Session
 
-    prompts = held_out(args.prompts, args.per_category, args.skip)
+    if args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts, as collect
+        from dflash_gguf.bench.suite import load_suite
+
+        prompts = load_suite(categories=("math", "code", "chat"), limit=args.per_category)
+    else:
+        prompts = held_out(args.prompts, args.per_category, args.skip)
+    plain: list[list[int]] = []
     for nodes in (0, args.tree_nodes):
         committed = cycles = identical = 0
         with Session(n_ctx=2048, n_threads=args.threads, lookup=False, tree_nodes=nodes) as s:
-            for p in prompts:
+            for i, p in enumerate(prompts):
+                messages = [{"role": "user", "content": p.prompt}]
+                if nodes == 0:
+                    s.reset()
+                    plain.append(list(s.chat(messages, max_tokens=args.max_tokens, speculative=False).tokens))
                 s.reset()
-                r = s.chat([{"role": "user", "content": p.prompt}], max_tokens=args.max_tokens, block_size=16)
+                r = s.chat(messages, max_tokens=args.max_tokens, block_size=16)
                 drafted = r.stats.cycles - r.stats.plain_cycles
                 committed += r.stats.n_accepted + drafted
                 cycles += drafted
+                identical += list(r.tokens) == plain[i]
         name = "linear block 16" if nodes == 0 else f"tree of {nodes} rows"
-        print(f"{name}: τ {committed / cycles:.2f} over {cycles} cycles, {len(prompts)} prompts", flush=True)
+        print(f"{name}: τ {committed / cycles:.2f} over {cycles} cycles, {len(prompts)} prompts, "
+              f"{identical} of {len(prompts)} replies identical to plain decoding", flush=True)
 
 
 def main() -> None:
@@ -344,7 +358,8 @@ def main() -> None:
     j.add_argument("--draft-ratio", type=float, default=0.0, help="a drafter pass, in one-row target steps")
     j.add_argument("--k", type=int, default=8)
     lv = sub.add_parser("live")
-    lv.add_argument("--prompts", type=Path, required=True)
+    lv.add_argument("--prompts", type=Path, help="train_prompts.jsonl, whose held-out split is used "
+                    "(default: the built-in benchmark suite's math, code and chat prompts)")
     lv.add_argument("--per-category", type=int, default=3)
     lv.add_argument("--skip", type=int, default=8)
     lv.add_argument("--max-tokens", type=int, default=128)

@@ -290,10 +290,11 @@ BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 
 
 @pytest.mark.slow
-def test_a_hundred_schema_replies_all_validate(oai):
-    """Sampled replies under response_format json_schema: 100 of 100 parse and validate."""
+def test_sampled_schema_replies_all_validate(oai):
+    """Sampled replies (temperature 1) under response_format json_schema: 25 of 25 end, parse and validate.
+    Each is a different seed's walk through the schema's grammar (25 rather than 100: two minutes less)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BOUNDED, "strict": True}}
-    for seed in range(100):
+    for seed in range(25):
         r = oai.chat.completions.create(model="smol", messages=ask("Name a city and its July temperature."),
                                         max_tokens=200, temperature=1.0, seed=seed, response_format=fmt)
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content

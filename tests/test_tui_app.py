@@ -322,10 +322,11 @@ def compare_rows(app: ChatApp) -> dict[str, str]:
     return {name: value.strip() for name, _, value in (line.partition(" ") for line in text.splitlines())}
 
 
-@pytest.mark.slow  # a 240-token reply and its 240-token compare run
+@pytest.mark.slow  # a 96-token reply and its 96-token compare run
 def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(session) -> None:
-    """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing."""
-    app = ChatApp(session, options(max_tokens=240))
+    """The like-for-like rule: a reply decoded plainly is compared with itself (1.00x), or with nothing.
+    96 tokens: twelve times the plain cycles a baseline needs (stats.MIN_BASELINE_CYCLES), several draws."""
+    app = ChatApp(session, options(max_tokens=96))
     drawn: list[tuple[dict[str, str], bool]] = []  # every panel draw, and whether the plain run was current
 
     async def scenario(pilot: Pilot) -> None:
@@ -347,7 +348,7 @@ def test_an_all_plain_reply_reads_one_or_not_measured_never_a_foreign_baseline(s
             # its only baseline is its own plain cycles: decode and plain are the same measurement
             assert shown["plain"].endswith("in reply")
             assert number(shown["speedup"]) == pytest.approx(1.0, abs=0.005)
-    # the last draw of the run (its final flush) has all 240 plain cycles: enough for a figure
+    # the last draw of the run (its final flush) has all 96 plain cycles: enough for a figure
     assert during and during[-1]["speedup"] != NOT_MEASURED, "enough plain cycles for a figure"
 
 
@@ -522,15 +523,25 @@ def test_a_reply_one_chat_stores_is_a_disk_hit_in_the_next_and_the_panel_shows_i
         run_app(second, restore)
 
 
-def test_context_full_is_shown_and_the_app_keeps_running(session) -> None:
+SMALL_N_CTX = 256  # libllama's least context (it pads to a multiple of 256): filling it is a short prefill
+
+
+@pytest.fixture
+def small_session(dflash_gguf_path):
+    """`session`'s pair on a context of SMALL_N_CTX tokens."""
+    with Session(None, dflash_gguf_path, n_ctx=SMALL_N_CTX, n_threads=1) as s:
+        yield s
+
+
+def test_context_full_is_shown_and_the_app_keeps_running(small_session) -> None:
+    session, n_ctx = small_session, SMALL_N_CTX
     app = ChatApp(session, options(max_tokens=16))
     # prompt tokens the chat template adds around one word, measured through the public chat API
     template_tokens = session.chat([{"role": "user", "content": "apple"}], max_tokens=1).stats.n_prompt_tokens - 1
-    n_ctx = 1024
 
     async def scenario(pilot: Pilot) -> None:
         # a prompt longer than the context: the reply fails, the app goes on
-        app.query_one("#prompt").value = "apple " * 1100
+        app.query_one("#prompt").value = "apple " * (n_ctx + 76)
         await press_and_wait(pilot, "enter")
         [failed] = replies(app)
         assert failed.has_class("-failed")
