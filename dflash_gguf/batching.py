@@ -86,6 +86,17 @@ Runner = Callable[[list[Request]], None]  # decodes the requests of one stage at
 Joins = Callable[[list[Request], Request], bool]  # whether a request can join those already taken
 
 
+def settle_outputs(ctx: capi.llama_context_p) -> None:
+    """Wait for a decode and put its output rows in batch order now, under the gather's lock.
+
+    libllama computes a batch of several sequences in micro-batches and sorts their logits, nextn rows and layer
+    inputs back into batch order on the first read after the decode (llama_context::output_reorder, a cycle sort
+    in place). Left to the readers, two sequences reading their rows at once would run that sort together on the
+    same buffers (seen: a reader spinning in output_reorder for minutes over a broken permutation); done here it
+    is done once, and every later read only reads."""
+    capi.llama_get_logits(ctx)
+
+
 class SharedContext:
     """The owner of one target context with N sequences; hands them out as SequenceTargets and gathers
     their decodes. The context is freed when the last SequenceTarget closes."""
@@ -262,6 +273,7 @@ class SharedContext:
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with code {rc} (1: no KV slot, -1: invalid batch, "
                                    "<-1: fatal)")
+            settle_outputs(owner.ctx)
         finally:
             self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
             self.decode_s += self.last.seconds

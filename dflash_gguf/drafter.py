@@ -21,7 +21,7 @@ from llama_cpp import llama_cpp as capi
 
 from . import drafter_gguf, llama_ext
 from .backends import Placement, placement
-from .batching import Request, SequenceTarget, SharedContext, Stage
+from .batching import Request, SequenceTarget, SharedContext, Stage, settle_outputs
 from .confidence import MarkovHead, load_markov_head
 from .sampling import SamplingParams, probabilities, sample_token
 from .kinds import DFLASH2, DSPARK
@@ -502,6 +502,7 @@ class SharedDraftContext:
             rc = capi.llama_process(self.ctx, capi.LLAMA_PROCESS_TYPE_DECODE, self.batch)
             if rc != 0:
                 raise RuntimeError(f"drafter llama_process failed to draft {len(requests)} blocks (code {rc})")
+            settle_outputs(self.ctx)  # the sequences read their rows at once: sorted here, once
         finally:
             for r in requests:  # the noise K/V goes, every sequence's
                 capi.llama_memory_seq_rm(self.mem, r.seq, r.payload[1], -1)
