@@ -3,8 +3,8 @@
 Servers, each started as a subprocess on a free loopback port with --parallel P, measured one after the other:
   per-slot   the server as it was before batching across slots (--baseline REV, run from a git worktree of that
              commit, so no old code path stays in the tree): one context per slot, plain (--block-size 1)
-  plain      this tree: the slots are sequences of one context, --no-speculative
-  dflash     this tree, speculative (the cost model prices each block by its share of the batch)
+  plain      this tree, --batch-slots: the slots are sequences of one context, --no-speculative
+  dflash     this tree, --batch-slots, speculative (the cost model prices each block by its share of the batch)
   upstream   llama-server -np P built from the vendored llama.cpp (--llama-server PATH), plain, if given
   upstream-dflash  the same with the same drafter (-md, --spec-type draft-dflash, --spec-draft-n-max 15)
 For each concurrency C the C requests (distinct prompts, greedy, --max-tokens each) start together, --rounds
@@ -147,9 +147,9 @@ def main() -> int:
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     if "plain" in only:
-        out["servers"].append(measure("plain", Server([*ours, "--no-speculative"]), a))
+        out["servers"].append(measure("plain", Server([*ours, "--batch-slots", "--no-speculative"]), a))
     if "dflash" in only:
-        out["servers"].append(measure("dflash", Server(ours), a))
+        out["servers"].append(measure("dflash", Server([*ours, "--batch-slots"]), a))
     if a.llama_server and "upstream" in only:
         from dflash_gguf import defaults
 

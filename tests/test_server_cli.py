@@ -121,10 +121,11 @@ def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
 
 @pytest.mark.slow  # dflash-serve in a fresh process
 def test_parallel_slots_are_sequences_of_one_context_and_answer_as_alone():
-    """--parallel 2: the start-up line says the slots decode in one batch, and two requests at once get, token
+    """--parallel 2 --batch-slots: the start-up line says the slots decode in one batch, and two requests at once get, token
     for token, what each gets by itself (greedy; speculation priced by the batch, so mostly plain here)."""
     port = _free_port()
-    proc = subprocess.Popen(SERVE + ["--port", str(port), "--parallel", "2", "--n-ctx", "512", "--log-level", "warning"],
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--parallel", "2", "--batch-slots", "--n-ctx", "512",
+                                     "--log-level", "warning"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -157,3 +158,18 @@ def test_parallel_slots_are_sequences_of_one_context_and_answer_as_alone():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_slots_share_a_context_where_the_target_is_offloaded_or_when_told():
+    """The default follows the measurement: on the CPU a context per slot decodes faster, offloaded a shared one."""
+    from dflash_gguf.config import SessionOptions
+    from dflash_gguf.server.cli import _parser, batched
+
+    def decide(*argv, gpu_layers=0):
+        return batched(_parser().parse_args(list(argv)), SessionOptions(n_gpu_layers=gpu_layers))
+
+    assert not decide("--parallel", "4")
+    assert decide("--parallel", "4", gpu_layers=-1)
+    assert decide("--parallel", "4", "--batch-slots")
+    assert not decide("--parallel", "4", "--no-batch-slots", gpu_layers=-1)
+    assert not decide("--parallel", "1", "--batch-slots")  # one slot: nothing to share

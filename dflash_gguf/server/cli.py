@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
     p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
+    p.add_argument("--batch-slots", action=argparse.BooleanOptionalAction, default=None,
+                   help="the slots are sequences of one target context, their decodes batched (default: where the "
+                        "target's layers are offloaded to a GPU; on the CPU a context per slot decodes faster: "
+                        "docs/SERVER.md)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
     memory = machine_memory()
     # per slot; the context defaults to the model's trained context (agents' prompts are 7-30k tokens)
@@ -92,7 +96,9 @@ def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target")
         slots = (f"{a.parallel} slots decoding in one batch: sequences of one target context of "
                  f"{a.parallel} x {n_ctx} = {target.shared.owner.n_ctx} cells")
     elif a.parallel > 1:
-        slots = f"{a.parallel} slots, a context each ({target.batching_disabled_reason})"
+        why = target.batching_disabled_reason or ("--no-batch-slots" if a.batch_slots is False else
+                                                  "on the CPU contexts side by side decode faster; --batch-slots to share one")
+        slots = f"{a.parallel} slots, a context each ({why})"
     else:
         slots = "one slot"
     lines = [f"{slots}; context {n_ctx} tokens per slot ({'--n-ctx' if a.n_ctx else 'the model'}; trained for {n_ctx_train}), "
@@ -137,17 +143,28 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def batched(a: argparse.Namespace, options: SessionOptions) -> bool:
+    """Whether the slots share one target context, their decodes batched (issue 37): --batch-slots, else where
+    the target's layers are offloaded. On this project's CPU a context per slot decodes side by side faster
+    (8 requests at once: 98 against 59 tok/s, docs/BENCHMARKS.md): batched rows cost nearly what separate
+    decodes cost there, and libllama cuts a batch of non-consecutive sequences into several passes."""
+    if a.batch_slots is not None:
+        return a.batch_slots and a.parallel > 1
+    return a.parallel > 1 and options.n_gpu_layers != 0
+
+
 def open_sessions(a: argparse.Namespace, options: SessionOptions, cache: CacheOptions | None = None) -> list:
     """Slot 0 opens the models, the others fork it (the next sequence of its context); all share one prompt
     cache (if any)."""
     from ..session import Session
 
     prompt_cache = None if cache is None else cache.open()
-    # the slots are sequences of one target context: their decodes go out as one batch (issue 37)
-    first = Session(a.target, a.drafter, SessionOptions.build(options, sequences=a.parallel), prompt_cache=prompt_cache)
+    shared = batched(a, options)
+    first = Session(a.target, a.drafter, SessionOptions.build(options, sequences=a.parallel if shared else 1),
+                    prompt_cache=prompt_cache)
     sessions = [first]
     try:
-        if a.parallel > 1:
+        if shared:
             first.calibrate()  # timed alone, before the slots share the context (the forks read what it saved)
         for _ in range(a.parallel - 1):
             sessions.append(first.fork())
