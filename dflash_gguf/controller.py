@@ -13,16 +13,24 @@ import bisect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
 
 from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
 if TYPE_CHECKING:
     from .sources import Candidate, Offer
-    from .tree import TreeShaper
 
 TimingKind = Literal["draft", "verify", "plain", "rollback", "tree"]
+
+
+class TreeShapes(Protocol):
+    """What a controller asks of the shaper of its source's trees (tree.TreeShaper, which imports this module's
+    VerifyCosts: a protocol here keeps the two out of an import circle)."""
+
+    budget: int
+
+    def take_outcome(self) -> Any: ...  # tree.TreeOutcome of the last shaped tree's cycle, once, or None
 
 # an outlier sample (another process took the core) moves an estimate by at most this factor per update
 _MAX_SAMPLE_RATIO = 2.0
@@ -244,7 +252,7 @@ class BlockController:
         self._probe_after = probe_after
         self._probing = False
         self._next_probe = 0  # > 0: the next cycle probes with this many drafts
-        self.trees: TreeShaper | None = None  # the shaper of the source's trees, once attached
+        self.trees: TreeShapes | None = None  # the shaper of the source's trees, once attached
         self._tree_memory = tree_memory
         self._tree_strength = tree_strength
         self._tree_gain: list[float] = []  # [m]: decayed sum of what m-row trees committed beyond their 2 rows
@@ -256,7 +264,7 @@ class BlockController:
         self._fixed = [0.0, 0.0, 0.0]  # the same of the other drafting cycles (blocks, trees of a chosen size)
         self._trees_off_until = 0  # the loop verifies trees as their first path (a grammar): none before this cycle
 
-    def attach_trees(self, shaper: "TreeShaper") -> None:
+    def attach_trees(self, shaper: TreeShapes) -> None:
         """Its source shapes draft trees of up to shaper.budget rows: price them beside the blocks."""
         self.trees = shaper
         self._tree_gain = [0.0] * (shaper.budget + 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -23,7 +23,6 @@ from .sampling import sample_token
 from .target import state_seq_get, state_seq_set
 
 if TYPE_CHECKING:
-    from .controller import VerifyCosts
     from .drafter import Drafter
     from .memory import TargetMemory
     from .target import Target
@@ -219,6 +218,14 @@ def walk_sampled(tree: DraftTree, probs: np.ndarray, rng: np.random.Generator) -
             return path, sample_token(residual, rng)
 
 
+class TreePrices(Protocol):
+    """What sizing a tree reads of the cost model (controller.VerifyCosts has these; declared here so that the
+    controller, the sources and the trees import no circle)."""
+
+    def tree_verify_s(self, n_rows: int) -> float: ...
+
+    def draft_s(self, block_tokens: int) -> float: ...
+
 class AcceptanceModel:
     """P(the target's token at slot d is the drafter's rank-k candidate | the slots before were accepted).
 
@@ -349,7 +356,7 @@ class TreeShaper:
         self._outcome: TreeOutcome | None = None
 
     def shape(self, anchor: int, n_past: int, logits: np.ndarray, rows: int | None = None,
-              costs: "VerifyCosts | None" = None) -> DraftTree:
+              costs: "TreePrices | None" = None) -> DraftTree:
         """The tree of `rows` rows (default: the budget) after `anchor` at n_past from the drafter's logits
         (D, V) for slots 1..D: its likeliest nodes under the calibrated acceptance.
 
@@ -363,7 +370,7 @@ class TreeShaper:
         return self.shape_candidates(anchor, n_past, ids, q, rows, costs)
 
     def shape_candidates(self, anchor: int, n_past: int, ids: np.ndarray, q: np.ndarray,
-                         rows: int | None = None, costs: "VerifyCosts | None" = None) -> DraftTree:
+                         rows: int | None = None, costs: "TreePrices | None" = None) -> DraftTree:
         """As `shape`, from each slot's candidates ids (D, k), best first, and their drafter probabilities q."""
         rows = self.budget if rows is None else rows
         if not 2 <= rows <= self.budget:
