@@ -370,8 +370,8 @@ def _price_with(session: Session, seconds: dict[int, float], draft_s: float) -> 
     from dflash_gguf.controller import BlockController, CostModel
 
     costs = CostModel(seconds, {16: draft_s}, smoothing=1e-9)
-    session._native_source.controller = BlockController(session.drafter.max_draft, costs)
-    session._costs = None  # the next generation's policy takes the controller's
+    session._speculation.native.controller = BlockController(session.drafter.max_draft, costs)
+    session._speculation.costs = None  # the next generation's policy takes the controller's
 
 
 def test_the_controller_turns_trees_on_under_a_gpu_curve_and_leaves_them_off_under_this_cpus(llama):
