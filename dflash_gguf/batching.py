@@ -29,7 +29,7 @@ import ctypes
 import enum
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -37,7 +37,7 @@ import llama_cpp.llama_cpp as capi
 import numpy as np
 
 from . import llama_ext
-from .target import ClosedError, Target, state_seq_get, state_seq_set
+from .target import ClosedError, Target
 
 DEFAULT_MAX_WAIT_S = 0.05  # what a batch waits, at most, for a busy generation's rows
 # From this many rows of one sequence on, ggml-cpu's flash attention takes its tiled kernel (GGML_FA_TILE_Q in
@@ -377,46 +377,21 @@ class SequenceTarget(Target):
         return self.shared.sequence()
 
     # -- this sequence's memory: "sequence 0" (or -1, all) to callers, seq_id in the context --------------
-    def _own(self, seq_id: int, *, any_ok: bool = False) -> int:
+    def _context_seq(self, seq_id: int, *, all_ok: bool = False) -> int:
         if self._ctx is None:
             raise self._closed_error()
-        if seq_id == 0 or (any_ok and seq_id == -1):
+        if seq_id == 0 or (all_ok and seq_id == -1):
             return self.seq_id
         raise ValueError(f"a shared sequence is sequence 0 to its callers, got {seq_id}")
 
-    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
-        seq = self._own(seq_id, any_ok=True)
-        with self.shared.native():
-            if not capi.llama_memory_seq_rm(self._mem, seq, p0, p1):
-                raise RuntimeError(f"llama_memory_seq_rm(seq={seq}, [{p0}, {p1})) failed")
+    def _native_calls(self) -> AbstractContextManager[None]:
+        return self.shared.native()
 
     def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         raise ValueError("a shared sequence has no other sequence to copy to")
 
-    def pos_max(self, seq_id: int = 0) -> int:
-        seq = self._own(seq_id)
-        with self.shared.native():
-            return int(capi.llama_memory_seq_pos_max(self._mem, seq))
-
     def clear(self) -> None:
-        self.remove(0, 0, -1)
-
-    def save_sequence(self, seq_id: int = 0) -> bytes:
-        seq = self._own(seq_id)
-        with self.shared.native():
-            return state_seq_get(self._ctx, seq)
-
-    def load_sequence(self, data: bytes, seq_id: int = 0) -> None:
-        seq = self._own(seq_id)
-        with self.shared.native():
-            try:
-                state_seq_set(self._ctx, data, seq)
-            except RuntimeError:
-                capi.llama_memory_seq_rm(self._mem, seq, 0, -1)
-                raise
-        self._features_ready = False
-        self._n_last = 0
-        self._n_outputs = 0
+        self.remove(0, 0, -1)  # this sequence's cells, not the context's
 
     def close(self) -> None:
         """Free this sequence's cells and give its id back; the context goes with the last sequence."""

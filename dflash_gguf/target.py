@@ -855,14 +855,25 @@ class Target(NativeResource):
         return out
 
     # -- KV cache --------------------------------------------------------------------------
-    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
-        """Drop positions [p0, p1) of a sequence (-1: all sequences / to the end) from the KV cache."""
+    def _context_seq(self, seq_id: int, *, all_ok: bool = False) -> int:
+        """The context's id of a caller's sequence (-1, every sequence, where all_ok), checked; the KV calls
+        below go through it and _native_calls, which a sequence of a shared context overrides."""
         if self._ctx is None:
             raise self._closed_error()
-        if not -1 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id must be in [-1, {self.n_seq_max}), got {seq_id}")
-        if not capi.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
-            raise RuntimeError(f"llama_memory_seq_rm(seq={seq_id}, [{p0}, {p1})) failed")
+        if not (-1 if all_ok else 0) <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id must be in [{-1 if all_ok else 0}, {self.n_seq_max}), got {seq_id}")
+        return seq_id
+
+    def _native_calls(self) -> AbstractContextManager[None]:
+        """Held around a KV or state call: nothing for a context of its own."""
+        return nullcontext()
+
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) of a sequence (-1: all sequences / to the end) from the KV cache."""
+        seq = self._context_seq(seq_id, all_ok=True)
+        with self._native_calls():
+            if not capi.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                raise RuntimeError(f"llama_memory_seq_rm(seq={seq}, [{p0}, {p1})) failed")
 
     def copy_sequence(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make positions [p0, p1) of sequence src part of sequence dst too (in a unified cache: the same cells)."""
@@ -875,11 +886,9 @@ class Target(NativeResource):
 
     def pos_max(self, seq_id: int = 0) -> int:
         """Largest cached position of a sequence, -1 when empty."""
-        if self._ctx is None:
-            raise self._closed_error()
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
-        return int(capi.llama_memory_seq_pos_max(self._mem, seq_id))
+        seq = self._context_seq(seq_id)
+        with self._native_calls():
+            return int(capi.llama_memory_seq_pos_max(self._mem, seq))
 
     def clear(self) -> None:
         if self._ctx is None:
@@ -888,11 +897,9 @@ class Target(NativeResource):
 
     def save_sequence(self, seq_id: int = 0) -> bytes:
         """The whole memory of a sequence (attention KV and, on hybrid targets, the recurrent state)."""
-        if self._ctx is None:
-            raise self._closed_error()
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
-        return state_seq_get(self._ctx, seq_id)
+        seq = self._context_seq(seq_id)
+        with self._native_calls():
+            return state_seq_get(self._ctx, seq)
 
     def load_sequence(self, data: bytes, seq_id: int = 0) -> None:
         """Replace a sequence's memory with what save_sequence returned on a context like this one.
@@ -900,15 +907,13 @@ class Target(NativeResource):
         RuntimeError when libllama refuses it (another layout, too many cells); the sequence is then empty.
         The recurrent-state snapshots (n_rs_seq) are not part of a saved state: no rollback reaches behind it.
         """
-        if self._ctx is None:
-            raise self._closed_error()
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id must be in [0, {self.n_seq_max}), got {seq_id}")
-        try:
-            state_seq_set(self._ctx, data, seq_id)
-        except RuntimeError:
-            capi.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
-            raise
+        seq = self._context_seq(seq_id)
+        with self._native_calls():
+            try:
+                state_seq_set(self._ctx, data, seq)
+            except RuntimeError:
+                capi.llama_memory_seq_rm(self._mem, seq, 0, -1)
+                raise
         self._features_ready = False
         self._n_last = 0
         self._n_outputs = 0
