@@ -57,6 +57,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(proc: subprocess.Popen, url: str, seconds: float) -> float:
+    """Until the server's /health answers 200; fails if the process ends first or `seconds` pass. Returns
+    that deadline."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return deadline
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 COPY = (
     "Repeat this paragraph exactly.\n\nDr. No is the sixth novel by the English author Ian Fleming to feature his "
     "British Secret Service agent James Bond. Written at Fleming's Goldeneye estate in Jamaica, it was first "
@@ -75,14 +88,7 @@ def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        deadline = _wait_until_up(proc, url, 60)
         if "--lookup" in flags:  # lookup drafts next to the drafter: a copied paragraph is drafted by lookup
             r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
                 "messages": [{"role": "user", "content": COPY}], "max_tokens": 48, "temperature": 0}).json()
@@ -129,14 +135,7 @@ def test_parallel_slots_are_sequences_of_one_context_and_answer_as_alone():
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        _wait_until_up(proc, url, 120)
         prompts = ["Name three primary colours.", "How many legs does a spider have?"]
 
         def ask(p):
