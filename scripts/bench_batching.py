@@ -130,6 +130,8 @@ def main() -> int:
         p.error("--concurrency must start with 1: the other levels are compared with it")
     if max(a.concurrency) > a.parallel:
         p.error("--concurrency above --parallel would measure the queue, not the slots")
+    if a.llama_server is not None and not a.llama_server.is_file():
+        p.error(f"--llama-server {a.llama_server}: no such file")
     only = set(a.only.split(","))
     threads = ["--threads", str(a.threads)] if a.threads else []
     ours = [sys.executable, "-m", "dflash_gguf.server.cli", "--parallel", str(a.parallel), "--queue", "64",
@@ -139,8 +141,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if a.baseline and "per-slot" in only:
             tree = Path(tmp) / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.baseline], cwd=ROOT, check=True,
-                           capture_output=True)
+            made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.baseline], cwd=ROOT,
+                                  capture_output=True, text=True)
+            if made.returncode != 0:
+                p.error(f"--baseline {a.baseline}: {made.stderr.strip().splitlines()[-1] if made.stderr else 'git failed'}")
             try:
                 env = {**os.environ, "PYTHONPATH": str(tree)}
                 out["servers"].append(measure("per-slot", Server([*ours, "--block-size", "1"], cwd=tree, env=env), a))
