@@ -102,9 +102,6 @@ class SharedContext:
     their decodes. The context is freed when the last SequenceTarget closes."""
 
     def __init__(self, owner: Target, *, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
-        if owner.recurrent:
-            raise ValueError(f"{owner.architecture}: a recurrent target's state is rolled back per context here; "
-                             "its sequences cannot share one")
         if owner.kv_unified or owner.n_seq_max < 2:
             raise ValueError("a shared context keeps one KV stream per sequence: Target.open(..., n_seq_max=N, "
                              "kv_unified=False) with N >= 2")

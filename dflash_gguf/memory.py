@@ -15,7 +15,6 @@ Measured on this libllama (0.3.36), tiny qwen35/lfm2/qwen3next GGUFs (scripts/me
 
 from __future__ import annotations
 
-import ctypes
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -47,7 +46,7 @@ class Checkpoint:
     """The recurrent state of sequence 0 after `pos` positions (attention KV not included)."""
 
     pos: int
-    data: ctypes.Array
+    data: bytes
 
     @property
     def nbytes(self) -> int:
@@ -55,21 +54,14 @@ class Checkpoint:
 
 
 def save_state(target: Target, pos: int, seq_id: int = 0) -> Checkpoint:
-    """llama_state_seq_get_data_ext(PARTIAL_ONLY): the recurrent part of a sequence's memory."""
-    ctx = target.ctx
-    size = capi.llama_state_seq_get_size_ext(ctx, seq_id, PARTIAL)
-    buf = (ctypes.c_uint8 * max(1, size))()
-    n = capi.llama_state_seq_get_data_ext(ctx, buf, size, seq_id, PARTIAL)
-    if n != size:
-        raise RuntimeError(f"llama_state_seq_get_data_ext wrote {n} of {size} bytes")
-    return Checkpoint(pos, buf)
+    """The recurrent part of a sequence's memory (PARTIAL_ONLY), through the Target's state call, so that a
+    sequence of a shared context saves its own (batching.SequenceTarget)."""
+    return Checkpoint(pos, target.save_sequence(seq_id, flags=PARTIAL))
 
 
 def load_state(target: Target, checkpoint: Checkpoint, seq_id: int = 0) -> None:
     """Restore a checkpoint's recurrent state, then drop the attention KV at and after its position."""
-    n = capi.llama_state_seq_set_data_ext(target.ctx, checkpoint.data, len(checkpoint.data), seq_id, PARTIAL)
-    if n != len(checkpoint.data):
-        raise RuntimeError(f"llama_state_seq_set_data_ext restored {n} of {len(checkpoint.data)} bytes")
+    target.load_sequence(checkpoint.data, seq_id, flags=PARTIAL)
     target.remove(seq_id, checkpoint.pos)
 
 
@@ -302,12 +294,12 @@ class HybridMemory(TargetMemory):
 
 
 def _state_size(target: Target) -> int:
-    """Bytes of one sequence's recurrent state; an empty context is probed with one token, then cleared."""
+    """Bytes of one sequence's recurrent state; an empty sequence is probed with one token, then cleared."""
     if target.pos_max(0) >= 0:
-        return int(capi.llama_state_seq_get_size_ext(target.ctx, 0, PARTIAL))
+        return len(target.save_sequence(0, flags=PARTIAL))
     target.decode([max(0, target.bos_token())], 0, logits=False)
     try:
-        return int(capi.llama_state_seq_get_size_ext(target.ctx, 0, PARTIAL))
+        return len(target.save_sequence(0, flags=PARTIAL))
     finally:
         target.remove(0, 0)
 
@@ -328,6 +320,8 @@ def rollback_unsupported(target: Target) -> str | None:
     """Why neither snapshots nor checkpoints serve this target, or None when one does."""
     if target.n_rs_seq > 0:
         return None
-    if int(capi.llama_state_seq_get_size_ext(target.ctx, 0, PARTIAL)) <= 0:
+    try:
+        target.save_sequence(0, flags=PARTIAL)
+    except RuntimeError:
         return f"{target.architecture}: libllama cannot save this target's recurrent state (no checkpoint)"
     return None

@@ -24,7 +24,7 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
                 options: SessionOptions) -> Target:
     """The target GGUF (None: the embedded one) opened with the context `options` ask for, sized for `drafter`:
     a context of its own, or (sequences > 1) sequence 0 of a shared context whose other sequences fork() hands
-    out (issue 37). Where that was asked for and cannot be, `batching_disabled_reason` on the Target says why."""
+    out (issue 37), recurrent targets included: each sequence's state snapshots and checkpoints are its own."""
     o = options
     path = defaults.embedded_target() if target is None else target
     n_ctx = o.n_ctx or _trained_context(path)
@@ -42,17 +42,10 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
     # its own, so its logits are bit for bit what it would get alone (docs/DESIGN.md)
     owner = Target.open(path, n_ctx=n_ctx * o.sequences, n_seq_max=o.sequences, kv_unified=False, **settings)
     try:
-        if not owner.recurrent:
-            return SharedContext(owner).sequence()
-        # known only once the weights are loaded: keep them, in a context of this sequence's own
-        alone = owner.fork(n_ctx=n_ctx, n_seq_max=1, kv_unified=False)
+        return SharedContext(owner).sequence()
     except BaseException:
         owner.close()
         raise
-    owner.close()
-    alone.batching_disabled_reason = (f"{alone.architecture}: a recurrent state is rolled back per context here, "
-                                      f"so each of the {o.sequences} sequences has a context of its own")
-    return alone
 
 
 def fork_native(target: Target, drafter: Drafter | None) -> tuple[Target, Drafter | None]:

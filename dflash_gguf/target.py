@@ -370,9 +370,6 @@ def describe_context(ctx: capi.llama_context_p) -> dict[str, int]:
 class Target(NativeResource):
     """Owner of one llama model + context; decodes batches and hands out logits and layer features."""
 
-    # why this context is not a sequence of a shared one where SessionOptions.sequences > 1 asked for that
-    batching_disabled_reason: str | None = None
-
     def __init__(
         self,
         model: capi.llama_model_p,
@@ -895,14 +892,16 @@ class Target(NativeResource):
             raise self._closed_error()
         capi.llama_memory_clear(self._mem, True)
 
-    def save_sequence(self, seq_id: int = 0) -> bytes:
-        """The whole memory of a sequence (attention KV and, on hybrid targets, the recurrent state)."""
+    def save_sequence(self, seq_id: int = 0, *, flags: int = 0) -> bytes:
+        """The whole memory of a sequence (attention KV and, on hybrid targets, the recurrent state); with
+        LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY its recurrent state only (memory.py's checkpoints)."""
         seq = self._context_seq(seq_id)
         with self._native_calls():
-            return state_seq_get(self._ctx, seq)
+            return state_seq_get(self._ctx, seq, flags)
 
-    def load_sequence(self, data: bytes, seq_id: int = 0) -> None:
-        """Replace a sequence's memory with what save_sequence returned on a context like this one.
+    def load_sequence(self, data: bytes, seq_id: int = 0, *, flags: int = 0) -> None:
+        """Replace a sequence's memory with what save_sequence returned, with the same flags, on a context like
+        this one.
 
         RuntimeError when libllama refuses it (another layout, too many cells); the sequence is then empty.
         The recurrent-state snapshots (n_rs_seq) are not part of a saved state: no rollback reaches behind it.
@@ -910,7 +909,7 @@ class Target(NativeResource):
         seq = self._context_seq(seq_id)
         with self._native_calls():
             try:
-                state_seq_set(self._ctx, data, seq)
+                state_seq_set(self._ctx, data, seq, flags)
             except RuntimeError:
                 capi.llama_memory_seq_rm(self._mem, seq, 0, -1)
                 raise
@@ -1026,7 +1025,6 @@ class Target(NativeResource):
             mtp_loaded=self.n_mtp_heads > 0,
             kv_unified=kv_unified,
         )
-        forked.batching_disabled_reason = self.batching_disabled_reason
         return forked
 
     def set_threads(self, n_threads: int) -> None:

@@ -96,8 +96,8 @@ def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target")
         slots = (f"{a.parallel} slots decoding in one batch: sequences of one target context of "
                  f"{a.parallel} x {n_ctx} = {target.shared.owner.n_ctx} cells")
     elif a.parallel > 1:
-        why = target.batching_disabled_reason or ("--no-batch-slots" if a.batch_slots is False else
-                                                  "on the CPU contexts side by side decode faster; --batch-slots to share one")
+        why = ("--no-batch-slots" if a.batch_slots is False else
+               "on the CPU contexts side by side decode faster; --batch-slots to share one")
         slots = f"{a.parallel} slots, a context each ({why})"
     else:
         slots = "one slot"
