@@ -27,7 +27,7 @@ from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step, TokenLogprob
 from .config import ServerConfig
-from .errors import APIError
+from .errors import TERMS, APIError
 from .metrics import Metrics
 from .schemas import Job
 from .slots import Slot, SlotPool
@@ -97,7 +97,12 @@ class Engine:
         return self.template.family  # None: tools get a 400
 
     def prepare(self, job: Job) -> Prepared:
-        """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments."""
+        """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments;
+        a refusal names the request's own field (its protocol's errors.Terms)."""
+        with TERMS[job.protocol].speaking(job.origins):
+            return self._prepare(job)
+
+    def _prepare(self, job: Job) -> Prepared:
         t0 = time.perf_counter()
         settings = {"max_tokens": self.config.max_tokens, **job.gen, "stop": job.user_stops}
         turn = self._turn(job, settings) if job.messages is not None else None
@@ -120,7 +125,8 @@ class Engine:
 
     def prompt(self, job: Job) -> list[int]:
         """The job's prompt tokens (count_tokens / input_tokens): its messages rendered as prepare() renders them."""
-        return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
+        with TERMS[job.protocol].speaking(job.origins):
+            return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
 
     def _turn(self, job: Job, settings: dict[str, Any]) -> Turn:
         request = job.chat_request(settings)

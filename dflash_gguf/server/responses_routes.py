@@ -26,9 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..chat.reply import ReplyReader, Thought
 from ..chat.tool_calls import CallDelta, ToolCall
 from .engine import Engine, Finished, Prepared, Run
-from .errors import RESPONSES_TERMS, APIError, cancelled
+from .errors import APIError, cancelled
 from .openai_routes import check_model
-from .schemas import Job, Message, _constraint, _max_tokens, _refuse, _sampling, refuse_unencodable, template_variables
+from .fields import declared, settings_of
+from .schemas import Job, Message, _constraint, _max_tokens, _refuse, refuse_unencodable, template_variables
 from .sse import heartbeat, stream_response
 
 STORED_RESPONSES = 1024  # the newest stored responses kept for previous_response_id / GET; older ones are forgotten
@@ -48,8 +49,6 @@ class ResponsesRequest(BaseModel):
     input: Union[str, List[dict[str, Any]]] = Field(min_length=1)
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     store: bool = True
     previous_response_id: Optional[str] = None
@@ -70,6 +69,9 @@ class ResponsesRequest(BaseModel):
     service_tier: Optional[str] = None
     user: Optional[str] = None
     client_metadata: Optional[dict[str, Any]] = None  # Codex's ids for its own logs
+
+
+ResponsesRequest = declared(ResponsesRequest, "responses")  # type: ignore[misc]  # the sampling fields (fields.FIELDS)
 
 
 class ResponseStore:
@@ -117,7 +119,7 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         origins["messages.0"] = "instructions"
     conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())},
                                     origins, len(conversation))
-    gen = _sampling(req.temperature, req.top_p, 0, None) | _text_format(req.text)
+    gen = settings_of(req, "responses") | _text_format(req.text)
     gen |= _max_tokens(req.max_output_tokens)
     reasoning = req.reasoning or {}
     unknown = sorted(set(reasoning) - REASONING_KEYS)
@@ -126,7 +128,7 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
     return Job(conversation, None, gen, [], req.stream, True, tools=_tools(req.tools)[0],
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort"),
-               origins=origins), conversation
+               origins=origins, protocol="responses"), conversation
 
 
 # Hosted tools the client may list that this server does not run: the model is not offered them (OpenAI's own
@@ -283,8 +285,7 @@ def router(engine: Engine) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         the_job, conversation = job(body, store)
-        with RESPONSES_TERMS.speaking(the_job.origins):
-            prepared = engine.prepare(the_job)
+        prepared = engine.prepare(the_job)
         run = await engine.start(prepared, request)
         shell = _shell(body, engine.config.model_alias)
         namespaces = _tools(body.tools)[1]
@@ -317,8 +318,7 @@ def router(engine: Engine) -> APIRouter:
         (OpenAI's input-token count; nothing is generated)."""
         check_model(engine, body.model)
         the_job, _ = job(body, store)
-        with RESPONSES_TERMS.speaking(the_job.origins):
-            tokens = engine.prompt(the_job)
+        tokens = engine.prompt(the_job)
         return {"object": "response.input_tokens", "input_tokens": len(tokens)}
 
     @r.get("/v1/responses/{response_id}")

@@ -36,6 +36,7 @@ from ..chat.request import unencodable
 from ..checks import SettingError
 from ..config import GenerationConfig
 from .errors import APIError
+from .fields import declared, settings_of
 
 Message = dict[str, Any]
 
@@ -76,19 +77,12 @@ _OpenAIMessage = Annotated[
     Field(discriminator="role"),
 ]
 
-# the sampling fields, bounded where the Session's sampler is (the base types leave temperature open);
-# min_p and repeat_penalty default to off, as OpenAI clients expect, not to llama_cpp.server's 0.05 and 1.1
-_temperature = Field(default=0.8, ge=0.0, le=2.0)
-_top_k = Field(default=40, ge=0)
-_min_p = Field(default=0.0, ge=0.0, le=1.0)
-_repeat_penalty = Field(default=1.0, gt=0.0)
-_repeat_last_n = Field(default=64, ge=-1)  # llama.cpp's: the last n reply tokens count; -1 = all, 0 = off
-_n_logprobs = Field(default=None, ge=0, le=20)  # OpenAI's bound on alternatives per token
+_N_LOGPROBS = Field(default=None, ge=0, le=20)  # OpenAI's bound on alternatives per token
 
 
 class ChatCompletionRequest(CreateChatCompletionRequest):
-    """POST /v1/chat/completions: llama_cpp.server's request plus what the openai SDK sends; an undeclared
-    field is a 400 naming it, never dropped."""
+    """POST /v1/chat/completions: llama_cpp.server's request plus what the openai SDK sends, and the sampling
+    fields of fields.FIELDS; an undeclared field is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -96,12 +90,7 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     max_tokens: Optional[int] = Field(default=None, ge=0)
     stream_options: Optional[StreamOptions] = None
-    temperature: float = _temperature
-    top_k: int = _top_k
-    min_p: float = _min_p
-    repeat_penalty: float = _repeat_penalty
-    repeat_last_n: int = _repeat_last_n
-    top_logprobs: Optional[int] = _n_logprobs
+    top_logprobs: Optional[int] = _N_LOGPROBS
     parallel_tool_calls: Optional[bool] = None
     # checked by the Session against the model's template (dflash_gguf.tool_calls), which names the bad field;
     # wider than llama_cpp's type, which lacks `strict` (sent by OpenAI agents; every call follows its schema)
@@ -128,19 +117,21 @@ class ChatCompletionRequest(CreateChatCompletionRequest):
     web_search_options: Optional[dict[str, Any]] = None
 
 
+ChatCompletionRequest = declared(ChatCompletionRequest, "chat")  # type: ignore[misc]
+
+
 class CompletionRequest(CreateCompletionRequest):
-    """POST /v1/completions: llama_cpp.server's request plus stream_options; an undeclared field is a 400."""
+    """POST /v1/completions: llama_cpp.server's request plus stream_options and the sampling fields of
+    fields.FIELDS; an undeclared field is a 400."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: Union[str, List[str]] = Field(description="The prompt to complete (one).")
     stream_options: Optional[StreamOptions] = None
-    temperature: float = _temperature
-    top_k: int = _top_k
-    min_p: float = _min_p
-    repeat_penalty: float = _repeat_penalty
-    repeat_last_n: int = _repeat_last_n
-    logprobs: Optional[int] = _n_logprobs
+    logprobs: Optional[int] = _N_LOGPROBS
+
+
+CompletionRequest = declared(CompletionRequest, "completions")  # type: ignore[misc]
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------
@@ -162,17 +153,15 @@ class AnthropicMessage(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    """POST /v1/messages. Every field the anthropic 2.x SDK sends is acted on, accepted as neutral or refused
-    by name in messages_job; a field this model does not declare is a 400 naming it, never dropped."""
+    """POST /v1/messages. Every field the anthropic 2.x SDK sends is acted on (the sampling ones declared in
+    fields.FIELDS), accepted as neutral or refused by name in messages_job; a field this model does not
+    declare is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: List[AnthropicMessage] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: Optional[Union[str, List[AnthropicBlock]]] = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=0)
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
     tools: Optional[List[dict[str, Any]]] = None
@@ -189,6 +178,9 @@ class MessagesRequest(BaseModel):
     speed: Optional[Literal["standard", "fast"]] = None
     inference_geo: Optional[str] = None
     diagnostics: Optional[dict[str, Any]] = None
+
+
+MessagesRequest = declared(MessagesRequest, "anthropic")  # type: ignore[misc]
 
 
 class CountTokensRequest(MessagesRequest):
@@ -222,6 +214,7 @@ class Job:
     # where each chat message (and call) came from in the request, where they do not map one for one
     # (errors.Terms: `messages.3` -> `input.5`); empty: the request's messages are the chat's
     origins: dict[str, str] = field(default_factory=dict)
+    protocol: str = "chat"  # whose terms a refusal is named in (errors.TERMS)
 
     def __post_init__(self) -> None:
         self.gen = dict(self.gen)
@@ -305,7 +298,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
         if role == "tool":
             message["tool_call_id"] = m.get("tool_call_id")
         messages.append(message)
-    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req) | constraint
+    gen = settings_of(req, "chat") | _penalties(req) | constraint
     gen["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     gen |= _max_tokens(req.max_completion_tokens or req.max_tokens)
     stops = _stops(req.stop)
@@ -327,13 +320,13 @@ def completion_job(req: CompletionRequest) -> Job:
         prompt = prompt[0]
     if not prompt:
         raise _refuse("prompt", "the prompt is empty", "invalid_value")
-    gen = _sampling(req.temperature, req.top_p, req.top_k, req.seed) | _penalties(req)
+    gen = settings_of(req, "completions") | _penalties(req)
     gen["logprobs"] = req.logprobs
     if req.grammar is not None:
         gen |= _constraint("grammar", req.grammar, "grammar")
     gen |= _max_tokens(req.max_tokens)
     return Job(None, prompt, gen, _stops(req.stop), req.stream,
-               bool(req.stream_options and req.stream_options.include_usage))
+               bool(req.stream_options and req.stream_options.include_usage), protocol="completions")
 
 
 def messages_job(req: MessagesRequest) -> Job:
@@ -360,11 +353,11 @@ def messages_job(req: MessagesRequest) -> Job:
     ids: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
         messages += _anthropic_message(m, f"messages.{i}.content", ids, origins, len(messages))
-    gen = _sampling(req.temperature, 1.0 if req.top_p is None else req.top_p, req.top_k or 0, None) | constraint
+    gen = settings_of(req, "anthropic") | constraint
     gen["max_tokens"] = req.max_tokens
     return Job(messages, None, gen, _stops(req.stop_sequences, "stop_sequences"), req.stream, True,
                tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_off,
-               origins=origins)
+               origins=origins, protocol="anthropic")
 
 
 def _check_thinking(thinking: dict[str, Any] | None) -> None:
@@ -594,14 +587,13 @@ def _check_choices(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _penalties(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """The OpenAI penalties, logit_bias (token ids as strings) and llama.cpp's repeat_penalty, repeat_last_n
-    and min_p, as GenerationConfig settings (checked there, a bad one a 400 naming it)."""
+    """The OpenAI penalties and logit_bias (token ids as strings) as GenerationConfig settings (checked there, a
+    bad one a 400 naming it)."""
     if req.logit_bias_type not in (None, "input_ids"):
         raise _refuse("logit_bias_type", "only token ids are supported as logit_bias keys ('input_ids')")
     return {
         "presence_penalty": float(req.presence_penalty or 0.0), "frequency_penalty": float(req.frequency_penalty or 0.0),
-        "repeat_penalty": float(req.repeat_penalty), "repeat_last_n": int(req.repeat_last_n),
-        "min_p": float(req.min_p), "logit_bias": dict(req.logit_bias or {}),
+        "logit_bias": dict(req.logit_bias or {}),
     }
 
 
@@ -609,7 +601,3 @@ def _max_tokens(n: int | None) -> dict[str, Any]:
     """A request's reply length; none named (or 0, llama_cpp's "no limit") leaves the server's --max-tokens.
     The engine clamps it to what the context has left."""
     return {"max_tokens": n} if n else {}
-
-
-def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict[str, Any]:
-    return {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k), "seed": seed}
