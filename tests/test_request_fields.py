@@ -8,12 +8,12 @@ import importlib.util
 
 import pytest
 
-from dflash_gguf.server import fields, schemas
+from dflash_gguf.server import anthropic_api, fields, openai_api
 from dflash_gguf.server.config import ServerConfig
 from dflash_gguf.server.engine import Engine
 from dflash_gguf.server.errors import APIError
 from dflash_gguf.server.metrics import Metrics
-from dflash_gguf.server.responses_routes import ResponseStore, ResponsesRequest, job
+from dflash_gguf.server.responses_api import ResponsesRequest, ResponseStore, job
 
 TOY_FIELD = '''
 """The draft block size a request may fix, spelled each protocol's way (GenerationConfig.block_size acts)."""
@@ -32,9 +32,10 @@ BLOCK = RequestField("block_size", {
 
 ASK = [{"role": "user", "content": "Hi"}]
 PROTOCOLS = {  # protocol: (its request model, its translation into a Job, a request body)
-    "chat": (schemas.ChatCompletionRequest, schemas.chat_job, {"messages": ASK, "max_tokens": 2}),
-    "completions": (schemas.CompletionRequest, schemas.completion_job, {"prompt": "Hi", "max_tokens": 2}),
-    "anthropic": (schemas.MessagesRequest, schemas.messages_job, {"model": "m", "max_tokens": 2, "messages": ASK}),
+    "chat": (openai_api.ChatCompletionRequest, openai_api.chat_job, {"messages": ASK, "max_tokens": 2}),
+    "completions": (openai_api.CompletionRequest, openai_api.completion_job, {"prompt": "Hi", "max_tokens": 2}),
+    "anthropic": (anthropic_api.MessagesRequest, anthropic_api.messages_job, {"model": "m", "max_tokens": 2,
+                                                                            "messages": ASK}),
     "responses": (ResponsesRequest, lambda r: job(r, ResponseStore())[0], {"input": "Hi", "max_output_tokens": 2}),
 }
 
@@ -76,7 +77,7 @@ def test_the_declared_sampling_fields_set_what_they_name():
     request's value reaches its setting (a protocol without the field gives its `absent` value)."""
     spelled = [(p, f.spellings[p].name) for f in fields.FIELDS for p in PROTOCOLS if p in f.spellings]
     assert len(spelled) >= 12 and all(name in PROTOCOLS[p][0].model_fields for p, name in spelled)
-    anthropic = schemas.messages_job(schemas.MessagesRequest.model_validate(
+    anthropic = anthropic_api.messages_job(anthropic_api.MessagesRequest.model_validate(
         {**PROTOCOLS["anthropic"][2], "top_k": 7, "temperature": 0.5}))
     assert anthropic.gen["top_k"] == 7 and anthropic.gen["temperature"] == 0.5 and anthropic.gen["top_p"] == 1.0
     responses = PROTOCOLS["responses"][1](ResponsesRequest.model_validate(PROTOCOLS["responses"][2]))

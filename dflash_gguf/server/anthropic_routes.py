@@ -23,7 +23,7 @@ from ..chat.tool_calls import CallDelta
 from .engine import Engine, Finished, Run
 from .errors import APIError, cancelled, error_body
 from .openai_routes import check_model
-from .schemas import CountTokensRequest, MessagesRequest, messages_job
+from .anthropic_api import CountTokensRequest, MessagesRequest, messages_job
 from .sse import heartbeat, stream_response
 
 

@@ -27,7 +27,7 @@ from ..session import Session
 from ..stats import GenerationStats
 from ..steps import Step, TokenLogprob
 from .config import ServerConfig
-from .errors import TERMS, APIError
+from .errors import APIError
 from .metrics import Metrics
 from .schemas import Job
 from .slots import Slot, SlotPool
@@ -99,7 +99,7 @@ class Engine:
     def prepare(self, job: Job) -> Prepared:
         """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments;
         a refusal names the request's own field (its protocol's errors.Terms)."""
-        with TERMS[job.protocol].speaking(job.origins):
+        with job.terms.speaking(job.origins):
             return self._prepare(job)
 
     def _prepare(self, job: Job) -> Prepared:
@@ -125,7 +125,7 @@ class Engine:
 
     def prompt(self, job: Job) -> list[int]:
         """The job's prompt tokens (count_tokens / input_tokens): its messages rendered as prepare() renders them."""
-        with TERMS[job.protocol].speaking(job.origins):
+        with job.terms.speaking(job.origins):
             return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
 
     def _turn(self, job: Job, settings: dict[str, Any]) -> Turn:

@@ -90,31 +90,6 @@ class Terms:
             raise
 
 
-ANTHROPIC_TERMS = Terms("anthropic", (
-    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
-    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
-    (r"^tool_choice\.function\.name", "tool_choice.name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.arguments.*", ".input"),  # a tool_use block's
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.name", ".name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.id", ".id"),
-    (r"\0\.tool_call_id", ".tool_use_id"),  # a tool_result block's
-    (r"\0\..*", ""),
-))
-RESPONSES_TERMS = Terms("responses", (
-    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
-    (r"^tool_choice\.function\.name", "tool_choice.name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.", "."),  # a function_call item's
-    (r"\0(?:\.tool_calls\.\d+)?\.id", ".call_id"),
-    (r"\0\.tool_call_id", ".call_id"),  # a function_call_output item's
-    (r"\0\.content", ".content"),
-    (r"\0\..*", ""),
-    (r"^messages\b.*", "input"),  # the whole conversation (its length, the template's refusal)
-))
-# each protocol's rename table; OpenAI's message paths are the chat request's own
-TERMS = {"chat": Terms("chat"), "completions": Terms("completions"), "anthropic": ANTHROPIC_TERMS,
-         "responses": RESPONSES_TERMS}
-
-
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, *,
                anthropic: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {
