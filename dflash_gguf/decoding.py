@@ -166,6 +166,8 @@ class TextStream:
     def _settled(self) -> list[tuple[str, TokenSource]]:
         """The held characters the check has settled since the last call, each with its source."""
         n = self._check.settled - self._given
+        if n == 0:
+            return []
         self._given += n
         out: list[tuple[str, TokenSource]] = []
         while n > 0 and self._held:
