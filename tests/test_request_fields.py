@@ -82,3 +82,8 @@ def test_the_declared_sampling_fields_set_what_they_name():
     assert anthropic.gen["top_k"] == 7 and anthropic.gen["temperature"] == 0.5 and anthropic.gen["top_p"] == 1.0
     responses = PROTOCOLS["responses"][1](ResponsesRequest.model_validate(PROTOCOLS["responses"][2]))
     assert responses.gen["top_k"] == 0 and responses.gen["seed"] is None and "min_p" not in responses.gen
+
+
+def test_a_field_spelt_for_no_known_protocol_is_refused_where_it_is_declared():
+    with pytest.raises(ValueError, match="no protocol 'antropic'"):
+        fields.RequestField("top_k", {"antropic": fields.Spelling("top_k", int)})

@@ -37,6 +37,11 @@ class RequestField:
     spellings: Mapping[str, Spelling]
     absent: Any = KEEP
 
+    def __post_init__(self) -> None:
+        unknown = set(self.spellings) - set(PROTOCOLS)
+        if unknown:  # a misspelt protocol would leave its field undeclared without a word
+            raise ValueError(f"{self.setting}: no protocol {sorted(unknown)[0]!r}; the protocols are {PROTOCOLS}")
+
     def setting_of(self, request: BaseModel, protocol: str) -> Any:
         spelling = self.spellings.get(protocol)
         value = None if spelling is None else getattr(request, spelling.name)
