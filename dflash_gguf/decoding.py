@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -104,44 +104,71 @@ class PrefixHook:
     save: Callable[[], None]
 
 
+class StopCheck(Protocol):
+    """Where a reply ends at a stop string, as the loop is handed it (the chat floor's ReplyReader is one): fed
+    the reply's text as it grows, it says how many of its characters are `settled` (no stop string can take
+    them back) and which stop string ended the reply, once one has. finish(): the reply has ended, settle all."""
+
+    settled: int
+    stop_sequence: str | None
+
+    def feed(self, text: str) -> object: ...
+
+    def finish(self) -> object: ...
+
+
 class TextStream:
-    """Incremental detokenisation with stop strings: text that could start a stop string is held back.
+    """Incremental detokenisation, each character keeping the source of the token that produced it, given
+    out as the stop check settles it (all at once without one).
 
     Text comes out as (piece, source) pairs: held-back text keeps the source of the token that produced
     it, not of the token that released it.
     """
 
-    def __init__(self, target: Target, stop: Sequence[str]) -> None:
+    def __init__(self, target: Target, check: StopCheck | None) -> None:
         self._token_bytes = target.token_bytes
-        self._stop = tuple(stop)
+        self._check = check
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._held: list[tuple[str, TokenSource]] = []
-        self.stopped_by: str | None = None  # the stop string that ended the text, once one has
+        self._held: list[tuple[str, TokenSource]] = []  # fed to the check, not settled yet
+        self._given = 0  # characters given out
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The stop string that ended the text, once one has."""
+        return None if self._check is None else self._check.stop_sequence
 
     def feed(self, token: int, source: TokenSource) -> tuple[list[tuple[str, TokenSource]], bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
         piece = self._decoder.decode(self._token_bytes(token))
-        if not self._stop:  # nothing is ever held back
+        if self._check is None:  # nothing is ever held back
             return ([(piece, source)] if piece else []), False
         if piece:
             self._held.append((piece, source))
-        held = "".join(t for t, _ in self._held)
-        for s in self._stop:
-            i = held.find(s)
-            if i >= 0:
-                self.stopped_by = s
-                out, self._held = self._take(i), []
-                return out, True
-        keep = max((k for s in self._stop for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
-        return self._take(len(held) - keep), False
+            self._check.feed(piece)
+        stopped = self._check.stop_sequence is not None
+        out = self._settled()
+        if stopped:
+            self._held = []
+        return out, stopped
 
     def flush(self, source: TokenSource) -> list[tuple[str, TokenSource]]:
         """Everything held, and the decoder's tail (an incomplete character) as `source`'s."""
-        out, self._held = self._held + [(self._decoder.decode(b"", final=True), source)], []
+        tail = self._decoder.decode(b"", final=True)
+        if self._check is None:
+            return [(tail, source)]
+        if tail:
+            self._held.append((tail, source))
+            self._check.feed(tail)
+        self._check.finish()
+        out, self._held = self._settled(), []
         return out
 
-    def _take(self, n: int) -> list[tuple[str, TokenSource]]:
-        """The first n held characters, each with its source; they leave the hold."""
+    def _settled(self) -> list[tuple[str, TokenSource]]:
+        """The held characters the check has settled since the last call, each with its source."""
+        n = self._check.settled - self._given
+        if n == 0:
+            return []
+        self._given += n
         out: list[tuple[str, TokenSource]] = []
         while n > 0 and self._held:
             text, src = self._held[0]
@@ -166,6 +193,7 @@ def decode_steps(
     policy: Policy | None = None,
     constraint: Constraint | None = None,
     prefix_hook: PrefixHook | None = None,
+    stop_check: StopCheck | None = None,
 ) -> Iterator[Step]:
     """Generate from `prompt`, reusing the cached prefix; yields one Step per cycle, the last with finish_reason.
 
@@ -174,6 +202,8 @@ def decode_steps(
     state the target has dropped. `cache` is kept true after every yield: a caller may stop at any point.
     A constraint (a fresh matcher for this generation) masks every row the target's tokens are chosen from.
     A prefix hook inside the uncached part of the prompt ends a prefill chunk at its position and is called there.
+    The loop judges no text itself: a fresh `stop_check` for this reply (the chat floor's ReplyReader over
+    config.stop) says where a stop string ends it and what text waits until it is known not to begin one.
     Penalties judge verify row i with the reply so far and the drafts before row i, which is the reply that
     row is read after (a row after a rejected draft is never read): speculation changes no token's law.
     The committed tokens are held once, in `cache`: the position a cycle decodes at is their length, the
@@ -191,7 +221,9 @@ def decode_steps(
     params = config.sampling
     params.check_vocab(target.n_vocab)
     rng = params.rng()
-    text = TextStream(target, config.stop)
+    if config.stop and stop_check is None:
+        raise ValueError("config.stop needs a stop_check to read the reply (chat.reply.ReplyReader(stops=config.stop))")
+    text = TextStream(target, stop_check)
     max_tokens = n_ctx if config.max_tokens is None else config.max_tokens  # None: until the context is full
     features = any(s.needs_features for s in active)
     committed = cache.tokens  # read, never copied: the loop changes it only through `cache`

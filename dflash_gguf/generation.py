@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .backends import Placement
 from .config import GenerationConfig
-from .decoding import CacheState, decode_steps
+from .decoding import CacheState, StopCheck, decode_steps
 from .memory import TargetMemory
 from .prompt_cache_link import PromptCacheLink
 from .speculation import Speculation
@@ -54,19 +54,21 @@ class OneAtATime:
 
 class GenerationRun:
     """decode_steps for `tokens` with the Session's caches (`state`, `memory`), its sources and its prompt
-    cache; `next()` gives the next Step, `finish()` stores the end state and gives the stats.
+    cache; `next()` gives the next Step, `finish()` stores the end state and gives the stats. `stop_check`:
+    where the reply ends at one of config.stop (the Session hands the chat floor's reader).
 
     Started after the policy: measuring the costs the first time empties the caches, so the cached prefix
     is restored after it.
     """
 
     def __init__(self, target: Target, tokens: list[int], config: GenerationConfig, state: CacheState,
-                 memory: TargetMemory, speculation: Speculation, cache_link: PromptCacheLink) -> None:
+                 memory: TargetMemory, speculation: Speculation, cache_link: PromptCacheLink,
+                 stop_check: StopCheck | None = None) -> None:
         sources, policy, constraint = speculation.for_generation(config)
         self._restored = cache_link.restore(tokens)
         self._steps = decode_steps(
             target, tokens, config, state, memory=memory, sources=sources, policy=policy,
-            constraint=constraint, prefix_hook=cache_link.prompt_hook(tokens, self._restored),
+            constraint=constraint, prefix_hook=cache_link.prompt_hook(tokens, self._restored), stop_check=stop_check,
         )
         self._n_prompt, self._config, self._state, self._memory = len(tokens), config, state, memory
         self._speculation, self._cache_link = speculation, cache_link

@@ -12,7 +12,7 @@ import llama_cpp
 
 from . import llama_compat
 from .backends import Placement, placement
-from .chat import ChatRequest, ChatTemplate, Turn, prepare_turn
+from .chat import ChatRequest, ChatTemplate, ReplyReader, Turn, prepare_turn
 from .chat.tool_calls import ToolPlan
 from .config import GenerationConfig, SessionOptions
 from .decoding import CacheState, TokensView
@@ -106,8 +106,7 @@ class Session:
         `wiring`: the rest of Speculation's arguments (lookup, sources, tree_nodes, ...)."""
         self.target = target
         self.memory: TargetMemory = memory_for(target)
-        self._cache = CacheState()
-        self._closed = False
+        self._cache, self._closed = CacheState(), False
         self._one_at_a_time = OneAtATime(wait)  # held for a whole generation
         self._native = threading.Lock()  # held while a cycle runs in C: close() waits for it
         self.last_stats: GenerationStats | None = None  # of the last generation that ran to its end
@@ -236,7 +235,8 @@ class Session:
             if self._llama.n_tokens:
                 self._forget()  # the wrapped Llama decoded in between: our cached prefix is gone
             self._llama.reset()  # and it must not trust its own prefix once we have used the context
-        return GenerationRun(self.target, tokens, config, self._cache, self.memory, self._speculation, self._cache_link)
+        stops = ReplyReader(stops=config.stop) if config.stop else None  # the chat floor judges the stop strings
+        return GenerationRun(self.target, tokens, config, self._cache, self.memory, self._speculation, self._cache_link, stops)
 
     def _collect(self, steps: Iterator[Step]) -> Result:
         all_steps = list(steps)

@@ -6,6 +6,7 @@ import codecs
 
 import pytest
 
+from dflash_gguf.chat import ReplyReader
 from dflash_gguf.config import GenerationConfig
 from dflash_gguf.decoding import TextStream
 from dflash_gguf.steps import TokenSource
@@ -38,7 +39,7 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(target):
     text = "naïve café 🌍🚀 日本語"
     tokens = target.tokenize(text, add_special=False)
     assert any(not target.token_bytes(t).decode("utf-8", errors="ignore") for t in tokens)  # partial bytes exist
-    stream = TextStream(target, ())
+    stream = TextStream(target, None)
     pieces, _ = feed_all(stream, tokens)
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + flushed(stream) == text
@@ -46,14 +47,14 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(target):
 
 def test_stop_string_ends_the_text_before_it(target):
     tokens = target.tokenize("alpha beta gamma delta", add_special=False)
-    stream = TextStream(target, ("gamma",))
+    stream = TextStream(target, ReplyReader(stops=("gamma",)))
     pieces, stopped = feed_all(stream, tokens)
     assert stopped and "".join(pieces) == "alpha beta "
 
 
 def test_text_that_may_begin_a_stop_string_waits_for_the_next_token(target):
     tokens = target.tokenize("alpha beta gamma", add_special=False)
-    stream = TextStream(target, (" beta!",))
+    stream = TextStream(target, ReplyReader(stops=(" beta!",)))
     pieces, stopped = feed_all(stream, tokens)
     assert not stopped
     i = next(i for i, t in enumerate(tokens) if target.token_bytes(t) == b" beta")
@@ -73,7 +74,7 @@ def test_every_character_keeps_the_source_of_the_token_that_produced_it(target):
     for tok, src in zip(tokens, sources):
         want += [(c, src) for c in decoder.decode(target.token_bytes(tok))]
     assert any(not target.token_bytes(t).decode("utf-8", errors="ignore").strip() for t in tokens)  # a split emoji
-    stream = TextStream(target, ("café!",))  # "caf" may begin the stop string: held back, then released
+    stream = TextStream(target, ReplyReader(stops=("café!",)))  # "caf" may begin the stop string: held back, then released
     shown: list[tuple[str, TokenSource]] = []
     for tok, src in zip(tokens, sources):
         released, stopped = stream.feed(tok, src)

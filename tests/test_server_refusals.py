@@ -109,6 +109,44 @@ def test_responses_name_their_input_items(url):
     refused(post(url, "/v1/responses", {"input": "word " * 600}), "input", "context holds 512")
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": SCHEMA}}], "tool_choice": {"type": "function", "function": {
+            "name": "nope"}}}, "tool_choice.function.name"),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": ASK, "tools": [{
+        "name": "get_weather", "input_schema": SCHEMA}], "tool_choice": {"type": "tool", "name": "nope"}},
+     "tool_choice.name"),
+    ("/v1/responses", {"input": "Hi", "tools": [{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+                       "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+])
+def test_a_tool_choice_naming_no_tool_is_refused_in_each_apis_terms(url, path, body, param):
+    """The chat floor names it tool_choice.function.name; each API's rename table gives its own path."""
+    refused(post(url, path, body), param, "nope")
+
+
+def test_openai_chat_names_a_history_calls_arguments(url):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}
+    body = {"messages": [ASK[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "max_tokens": 2}
+    refused(post(url, "/v1/chat/completions", body), "messages.1.tool_calls.0.function.arguments", "JSON object")
+
+
+LONG = "word " * 600  # over the context of 512
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("/v1/completions", {"prompt": LONG}, "prompt"),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("/v1/responses", {"input": [{"role": "user", "content": LONG}]}, "input"),
+])
+def test_a_prompt_over_the_context_names_each_apis_conversation(url, path, body, param):
+    refused(post(url, path, body), param, "context holds 512")
+
+
 def test_a_logit_bias_that_bans_every_token_is_refused_naming_it(url):
     ban = {str(t): float("-inf") for t in range(49152)}
     refused(post(url, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, "temperature": 0.7,

@@ -6,8 +6,9 @@ reader), and the reader itself. Below it the core floor (target, sources, the lo
 config; above it the server, the terminal chat and the benchmark (docs/DESIGN.md, "Floors").
 """
 
+from .reply import ReplyReader
 from .request import ChatRequest
 from .template import ChatTemplate
 from .turn import Turn, Vocabulary, prepare_turn, turn_config
 
-__all__ = ["ChatRequest", "ChatTemplate", "Turn", "Vocabulary", "prepare_turn", "turn_config"]
+__all__ = ["ChatRequest", "ChatTemplate", "ReplyReader", "Turn", "Vocabulary", "prepare_turn", "turn_config"]

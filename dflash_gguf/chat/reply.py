@@ -1,12 +1,15 @@
-"""A reply's text as the APIs give it back: its thought, its answer text and its tool calls, in pieces as it
-streams, read by one machine. The thought is split off first (Thinking.split), so a call the model only
-thinks about is never read as one; the answer's calls are read by the template's tool family."""
+"""A reply's text as the APIs give it back: where it ends (its first stop string), its thought, its answer
+text and its tool calls, in pieces as it streams, read by one machine. The stop strings cut the reply first
+(the decode loop is handed a reader as its stop check), then the thought is split off (Thinking.split), so a
+call the model only thinks about is never read as one; the answer's calls are read by the template's tool
+family."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
+from .families.base import hold_back
 from .reasoning import Thinking
 from .tool_calls import CallDelta, ToolCall, ToolPlan, call_arguments
 from .tool_calls import openai_delta as tool_delta
@@ -25,18 +28,29 @@ Piece = Thought | str | CallDelta  # str: answer text
 class ReplyReader:
     """Feed the reply's text as it comes; get its pieces, each given once, in order.
 
-    Each feed reads the whole reply again (replies are short next to the decode): the thought and the answer
-    it splits into, then the answer's content and calls as the family parses them; what is new since the last
-    feed is given out, and what could still become a marker or a call's opener is held back until it is one
-    or is not. Without a thinking template all of the reply is answer; without tools to parse, all of the
-    answer is content.
+    Each feed reads the whole reply again (replies are short next to the decode): where its first stop string
+    cuts it, the thought and the answer the rest splits into, then the answer's content and calls as the
+    family parses them; what is new since the last feed is given out, and what could still become a stop
+    string, a marker or a call's opener is held back until it is one or is not. Without stop strings the
+    reply runs to its end; without a thinking template all of it is answer; without tools to parse, all of
+    the answer is content.
+
+    The decode loop is handed a reader as its stop check (decoding.StopCheck): `settled` says how many of
+    the reply's characters no stop string can take back any more, `stop_sequence` which stop string ended
+    the reply, once one has (the earliest in the text; after it, what is fed is ignored).
     """
 
-    def __init__(self, thinking: Thinking | None, tools: ToolPlan | None) -> None:
+    def __init__(self, thinking: Thinking | None = None, tools: ToolPlan | None = None,
+                 stops: Sequence[str] = ()) -> None:
         self._thinking = thinking
         self._plan = tools if tools is not None and tools.parses else None
         self._schemas = self._plan.schemas if self._plan is not None else {}
-        self._text = ""  # the reply so far
+        self._stops = tuple(stops)
+        self._longest = max(map(len, self._stops), default=0)
+        self._text = ""  # the reply so far, up to its stop string once one has ended it
+        self._searched = 0  # where the next search for a stop string begins
+        self.settled = 0  # characters of the reply no stop string can take back
+        self.stop_sequence: str | None = None
         self.thought = ""  # the thought given out
         self._answer = ""  # the answer the thought's split has released
         self._content = 0  # answer characters given out as content
@@ -50,12 +64,28 @@ class ReplyReader:
         return self._answer[: self._content]
 
     def feed(self, text: str) -> list[Piece]:
-        self._text += text
+        if self.stop_sequence is None:
+            self._text += text
         return self._read(final=False)
 
     def finish(self) -> list[Piece]:
         """Whatever was held back, once the reply has ended."""
         return self._read(final=True)
+
+    def _settle(self, final: bool) -> str:
+        """The reply's text up to its first stop string, less what could still begin one (all of it once final)."""
+        if self.stop_sequence is None and self._stops:
+            # a stop string is searched for where it could have been completed since the last search
+            found = [(i, n, s) for n, s in enumerate(self._stops) if (i := self._text.find(s, self._searched)) >= 0]
+            self._searched = max(0, len(self._text) - self._longest + 1)
+            if found:
+                i, _, self.stop_sequence = min(found)
+                self._text = self._text[:i]
+        if final or self.stop_sequence is not None:
+            self.settled = len(self._text)
+        else:
+            self.settled = min((hold_back(self._text, s) for s in self._stops), default=len(self._text))
+        return self._text if self.settled == len(self._text) else self._text[: self.settled]
 
     def read(self, text: str) -> tuple[str, str | None, list[ToolCall]]:
         """A whole reply as its thought, its answer text (None when the reply is only calls, as OpenAI gives
@@ -65,7 +95,8 @@ class ReplyReader:
         return self.thought, self.content or (None if self.calls else ""), self.calls
 
     def _read(self, final: bool) -> list[Piece]:
-        thought, self._answer = ("", self._text) if self._thinking is None else self._thinking.split(self._text, final)
+        text = self._settle(final)
+        thought, self._answer = ("", text) if self._thinking is None else self._thinking.split(text, final)
         out: list[Piece] = [Thought(thought[len(self.thought):])] if len(thought) > len(self.thought) else []
         self.thought = thought  # each split extends the one before
         out += self._answer_pieces(final=False)

@@ -21,9 +21,9 @@ from fastapi import APIRouter, Request
 from ..chat.reply import ReplyReader, Thought
 from ..chat.tool_calls import CallDelta
 from .engine import Engine, Finished, Run
-from .errors import ANTHROPIC_TERMS, APIError, cancelled, error_body
+from .errors import APIError, cancelled, error_body
 from .openai_routes import check_model
-from .schemas import CountTokensRequest, MessagesRequest, messages_job
+from .anthropic_api import CountTokensRequest, MessagesRequest, messages_job
 from .sse import heartbeat, stream_response
 
 
@@ -52,8 +52,7 @@ def router(engine: Engine) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Any:
         check_model(engine, body.model)
         job = messages_job(body)
-        with ANTHROPIC_TERMS.speaking(job.origins):
-            prepared = engine.prepare(job)
+        prepared = engine.prepare(job)
         run = await engine.start(prepared, request)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model}
         reader = prepared.reader()
@@ -83,8 +82,7 @@ def router(engine: Engine) -> APIRouter:
         """The prompt's length in tokens as /v1/messages would render it (Claude Code asks before it sends)."""
         check_model(engine, body.model)
         job = messages_job(body)
-        with ANTHROPIC_TERMS.speaking(job.origins):
-            tokens = engine.prompt(job)
+        tokens = engine.prompt(job)
         return {"input_tokens": len(tokens)}
 
     return r

@@ -97,7 +97,12 @@ class Engine:
         return self.template.family  # None: tools get a 400
 
     def prepare(self, job: Job) -> Prepared:
-        """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments."""
+        """Render and tokenize on the loop (the vocabulary is read-only), check the context and the arguments;
+        a refusal names the request's own field (its protocol's errors.Terms)."""
+        with job.terms.speaking(job.origins):
+            return self._prepare(job)
+
+    def _prepare(self, job: Job) -> Prepared:
         t0 = time.perf_counter()
         settings = {"max_tokens": self.config.max_tokens, **job.gen, "stop": job.user_stops}
         turn = self._turn(job, settings) if job.messages is not None else None
@@ -120,7 +125,8 @@ class Engine:
 
     def prompt(self, job: Job) -> list[int]:
         """The job's prompt tokens (count_tokens / input_tokens): its messages rendered as prepare() renders them."""
-        return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
+        with job.terms.speaking(job.origins):
+            return self._turn(job, {}).tokens if job.messages is not None else self._raw_tokens(job)
 
     def _turn(self, job: Job, settings: dict[str, Any]) -> Turn:
         request = job.chat_request(settings)
@@ -252,6 +258,7 @@ class Run:
         logprobs: list[TokenLogprob] = []
         first = True
         finish: str | None = None
+        stop: str | None = None  # the stop string that ended the reply (the turn's reader found it)
         try:
             async for event in self.generation.events():
                 if isinstance(event, Step):
@@ -260,6 +267,7 @@ class Run:
                     tokens += event.tokens
                     logprobs += event.logprobs
                     finish = event.finish_reason or finish
+                    stop = event.stop_sequence or stop
                     if first and (event.tokens or event.finish_reason):
                         first = False
                         self.engine.metrics.count_ttft(time.perf_counter() - self.prepared.t0)
@@ -276,7 +284,7 @@ class Run:
                 finish = finish or "stop"
                 yield Finished(
                     text="".join(text), tokens=tokens, finish_reason=finish,
-                    stop_sequence=self._stop_sequence(tokens, finish),
+                    stop_sequence=stop if stop in self.prepared.job.user_stops else None,
                     n_prompt=len(self.prepared.tokens), stats=stats, timings=llama_timings(stats),
                     dflash=dflash_figures(stats, blocks, slot=self.slot.id, queue_ms=self.queue_s * 1000.0),
                     logprobs=tuple(logprobs),
@@ -284,15 +292,6 @@ class Run:
                 )
         finally:
             self.cancel()  # the consumer stopped early (a closed stream): stop at the next cycle
-
-    def _stop_sequence(self, tokens: list[int], finish: str) -> str | None:
-        """Which of the caller's stop strings ended the reply (the stream hides it), if one did."""
-        stops = self.prepared.job.user_stops
-        if finish != "stop" or not stops:
-            return None
-        full = b"".join(self.engine.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
-        found = [(full.find(s), s) for s in stops if s in full]
-        return min(found)[1] if found else None
 
 
 def _tool_error(e: ToolError, unsupported: bool) -> APIError:

@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .fields import renames
+
 log = logging.getLogger("dflash_gguf.server")
 
 ERROR_TYPES = {
@@ -51,12 +53,15 @@ def cancelled() -> APIError:
 class Terms:
     """How one protocol names the chat request's fields: its rename table, chat-request path -> its own path.
 
-    `rules` are (pattern, replacement) regular expressions on a dotted path, the first that matches applied.
+    A generation setting is named by the protocol's field for it (fields.FIELDS, declared once: `top_k` ->
+    whatever the protocol calls it); then `rules`, (pattern, replacement) regular expressions on a dotted path,
+    the first that matches applied.
     A request whose messages do not map one for one onto the chat's (Anthropic's tool_result blocks become
     tool messages, Responses items become turns) gives `origins` with its Job: the chat path of a message
     or of one of its calls (`messages.3`, `messages.3.tool_calls.1`) -> the request's own (`input.5`); the
     rest of the path is then named by `rules` too."""
 
+    protocol: str
     rules: tuple[tuple[str, str], ...] = ()
 
     def name(self, param: str, origins: Mapping[str, str] | None = None) -> str:
@@ -64,7 +69,8 @@ class Terms:
             if param == prefix or param.startswith(prefix + "."):
                 param = origins[prefix] + "\0" + param[len(prefix):]  # \0: where the origin ends
                 break
-        for pattern, replacement in self.rules:
+        spelled = tuple((rf"^{re.escape(setting)}(?=\.|$)", name) for setting, name in renames(self.protocol).items())
+        for pattern, replacement in spelled + self.rules:
             renamed, n = re.subn(pattern, replacement, param, count=1)
             if n:
                 param = renamed
@@ -82,29 +88,6 @@ class Terms:
                 if e.message.startswith(old + ":"):
                     e.message = e.param + e.message[len(old):]
             raise
-
-
-OPENAI_TERMS = Terms()  # the chat request's field names are OpenAI chat's
-ANTHROPIC_TERMS = Terms((
-    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
-    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
-    (r"^tool_choice\.function\.name", "tool_choice.name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.arguments.*", ".input"),  # a tool_use block's
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.name", ".name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.id", ".id"),
-    (r"\0\.tool_call_id", ".tool_use_id"),  # a tool_result block's
-    (r"\0\..*", ""),
-))
-RESPONSES_TERMS = Terms((
-    (r"^tools\.(\d+)\.function\.", r"tools.\1."),
-    (r"^tool_choice\.function\.name", "tool_choice.name"),
-    (r"\0(?:\.tool_calls\.\d+)?\.function\.", "."),  # a function_call item's
-    (r"\0(?:\.tool_calls\.\d+)?\.id", ".call_id"),
-    (r"\0\.tool_call_id", ".call_id"),  # a function_call_output item's
-    (r"\0\.content", ".content"),
-    (r"\0\..*", ""),
-    (r"^messages\b.*", "input"),  # the whole conversation (its length, the template's refusal)
-))
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, *,

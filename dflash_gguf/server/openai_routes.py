@@ -24,7 +24,7 @@ from ..steps import TokenLogprob
 from ..chat.reply import openai_delta
 from .engine import Engine, Finished, Run
 from .errors import APIError, cancelled, error_body
-from .schemas import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
+from .openai_api import ChatCompletionRequest, CompletionRequest, chat_job, completion_job
 from .sse import stream_response
 
 

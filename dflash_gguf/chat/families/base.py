@@ -77,10 +77,13 @@ def args_after(text: str, pos: int) -> tuple[str, bool, int]:
 
 
 def hold_back(text: str, marker: str) -> int:
-    """Where the text may stop being content: before a suffix that could be the start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return len(text) - n
+    """Where the text may stop being content: before its longest suffix that could be the start of `marker`
+    (only where the marker's first character stands is one looked for: the loop asks once per token)."""
+    i = text.find(marker[:1], max(0, len(text) - len(marker) + 1))
+    while i >= 0:
+        if marker.startswith(text[i:]):
+            return i
+        i = text.find(marker[:1], i + 1)
     return len(text)
 
 
