@@ -73,13 +73,14 @@ class ReplyReader:
         return self._read(final=True)
 
     def _settle(self, final: bool) -> str:
-        """The reply's text up to its first stop string, less what could still begin one (all of it once final)."""
+        """The reply's text up to the stop string that completes first, less what could still begin one (all of it once final)."""
         if self.stop_sequence is None and self._stops:
             # a stop string is searched for where it could have been completed since the last search
-            found = [(i, n, s) for n, s in enumerate(self._stops) if (i := self._text.find(s, self._searched)) >= 0]
+            # the one that completes first ends the reply (at one end, the longer), however the text is chunked
+            found = [(i + len(s), i, s) for s in self._stops if (i := self._text.find(s, self._searched)) >= 0]
             self._searched = max(0, len(self._text) - self._longest + 1)
             if found:
-                i, _, self.stop_sequence = min(found)
+                _, i, self.stop_sequence = min(found)
                 self._text = self._text[:i]
         if final or self.stop_sequence is not None:
             self.settled = len(self._text)
