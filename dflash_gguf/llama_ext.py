@@ -296,10 +296,12 @@ class MTPContext:
         address = _get_logits_ith_address(self.ctx, i)
         if not address:
             raise RuntimeError(f"the MTP context returned no logits for batch row {i}")
-        if address != self._logits[0]:
-            view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
-            self._logits = (address, view)
-        return self._logits[1]
+        cached = self._logits  # one read: sequences of a shared context call this from their own threads
+        if address != cached[0]:
+            cached = (address, np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
+                                                     shape=(self.n_vocab,)))
+            self._logits = cached
+        return cached[1]
 
     def nextn_row(self, i: int = 0) -> int:
         """The address of the head's own hidden state at the last decode's batch row i (an output)."""

@@ -47,10 +47,13 @@ def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles) -> lis
     return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
 
 
-def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
-    """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it."""
+def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None, setup=None) -> list[list[int]]:
+    """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it
+    (setup(source), where given, first)."""
     with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=heads is None) as t:
         source = MTPSource(t, heads=heads, max_draft=16)
+        if setup is not None:
+            setup(source)
         try:
             seq: list[int] = list(prompt)
             t.decode(prompt, 0, logits="last")
@@ -118,6 +121,101 @@ def test_the_draft_comparison_sees_a_lost_carry(oracle, mtp_target):
         finally:
             source.close()
     assert got != want[0]
+
+
+# --- chained heads (step35) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step35(tmp_path_factory, embedded_target):
+    """Tiny random Step3p5 targets (attention only) by number of chained MTP heads: tests/mtp_fixtures.py."""
+    from mtp_fixtures import build_step35_target
+
+    directory = tmp_path_factory.mktemp("step35")
+    return {n: build_step35_target(directory, embedded_target, n_heads=n) for n in (1, 3)}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["varied", "repeats"])
+def test_chained_heads_draft_what_upstreams_driver_drafts(oracle, step35, prompt):
+    """Three chained heads: draft i is head i's (at most three a cycle, as upstream caps n_max), each head's
+    own layer holding the committed positions; carries and rollbacks as with one head."""
+    want = upstream_drafts(oracle, step35[3], prompt, CYCLES)
+    assert [len(d) for d in want] == [min(n, 3) for n, _ in CYCLES]
+    assert our_drafts(step35[3], prompt, CYCLES) == want
+
+
+def test_the_chained_comparison_sees_a_head_without_its_kv(oracle, step35):
+    """Not vacuous: heads 1 and 2 attending to no committed positions of their own draft other tokens."""
+    from dflash_gguf.mtp import MTPHeads
+
+    def first_head_only(source):
+        heads = source.heads
+
+        def process(tokens, start, rows):
+            heads.n_heads = 1
+            try:
+                MTPHeads.process(heads, tokens, start, rows)
+            finally:
+                heads.n_heads = 3
+        heads.process = process
+
+    prompt = PROMPTS[0]
+    want = upstream_drafts(oracle, step35[3], prompt, CYCLES)
+    got = our_drafts(step35[3], prompt, CYCLES, setup=first_head_only)
+    assert got[0][0] == want[0][0] and got[0][1:] != want[0][1:]  # head 0 keeps its KV, the others drafted blind
+
+
+@pytest.mark.parametrize("n_heads", [1, 3])
+def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_heads):
+    """Three Sessions, sequences of one target context (issue 37), the heads drafting every cycle (a fixed
+    block): their MTP decodes go out together (Stage.MTP), and each sequence drafts and replies exactly what
+    it drafts and replies alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_gguf.batching import Stage
+
+    prompts = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?"]
+    settings = dict(n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False)
+
+    def spy(session):
+        """The drafts its heads make, recorded as the real heads make them."""
+        heads, log = session._mtp.heads, []
+        real = heads.draft
+        heads.draft = lambda *args, **kw: log.append(real(*args, **kw)) or log[-1]
+        return log
+
+    def run(session, prompt):
+        r = session.generate(prompt, max_tokens=24, block_size=3)
+        return r.tokens, r.stats.per_source[MTP_SOURCE].n_drafted
+
+    expected = []
+    for p in prompts:  # each on a cold context: a reset one holds its cells in another order, which moves the
+        with Session(step35[n_heads], **settings) as solo:  # random heads' near-flat logits across ties
+            log = spy(solo)
+            expected.append((*run(solo, p), log))
+    first = Session(step35[n_heads], sequences=len(prompts), **settings)
+    sessions = [first] + [first.fork() for _ in prompts[1:]]
+    try:
+        context = first.target.shared
+        context.max_wait_s = 60.0  # batches wait for every busy sequence: no timeout race
+        assert all(s.mtp and s._mtp.heads.n_heads == n_heads for s in sessions)
+        logs = [spy(s) for s in sessions]
+        start = threading.Barrier(len(prompts))
+
+        def one(i):
+            start.wait()
+            return (*run(sessions[i], prompts[i]), logs[i])
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, range(len(prompts))))
+        assert got == expected
+        assert all(n_drafted > 0 for _, n_drafted, _ in got)
+        assert context.shared_passes[Stage.MTP] > 0
+    finally:
+        for s in sessions:
+            s.close()
+    assert context.mtp_context is None  # freed with its last sequence
 
 
 # --- the Session ----------------------------------------------------------------------------------
