@@ -20,6 +20,10 @@ declined SET_ASIDE_AFTER in a row, they wait: a head set aside costs no pass for
 resets and cut follow-ups. It then holds at most 2 x MAX_WAITING waiting rows: past that the oldest are
 dropped, their positions held with no MTP state (drafts then see less of the distant past, upstream's see
 it all; the output is the same).
+Chained heads (step35: n trained heads, head i drafting token i + 1) follow upstream's driver too: every
+head processes the committed positions, and draft step i re-decodes the draft prefix under head i (MTPHeads).
+On a sequence of a shared target context (batching.SharedContext) the sequences share one MTP context, a
+KV stream each, and its decodes are gathered with theirs (Stage.MTP), as upstream's driver batches them.
 The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
 Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
 sampled ones are drawn from the head's own distribution under the request's sampling settings, and
