@@ -218,6 +218,35 @@ def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_
     assert context.mtp_context is None  # freed with its last sequence
 
 
+def test_the_prompt_cache_restores_the_heads_into_another_sequence(step35, tmp_path):
+    """One sequence's entry, MTP part included, restores into another sequence of the shared context (a
+    conversation resumed on another slot): the same drafts, cycle for cycle, and the heads left where the
+    miss left them (the same carry and waiting rows, and the same next draft from the restored KV)."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3 + "Continue the story:"
+    with Session(step35[3], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False, sequences=2,
+                 prompt_cache=cache) as first:
+        miss = list(first.stream(prompt, max_tokens=16, block_size=3))
+        assert first.last_stats.prompt_cache.stored and first.last_stats.prompt_cache.tier is None
+        with first.fork() as second:
+            assert second.target.seq_id != first.target.seq_id
+            hit = list(second.stream(prompt, max_tokens=16, block_size=3))
+            stats = second.last_stats
+            states, nexts = [], []
+            for source in (first._mtp, second._mtp):
+                state = source.snapshot()  # the KV's bytes name the stream: compared by what they draft
+                states.append(state[: 4 * 64 + 4 + (4 + 4 * 64) * int.from_bytes(state[256:260], "little")])
+                nexts.append(source.propose(miss[-1].tokens[-1], source.cached(), 3, SamplingParams(),
+                                            np.random.default_rng(0)).tokens.tolist())
+    assert stats.prompt_cache.tier == "ram" and stats.n_cached_tokens > 0
+    assert [(s.tokens, s.source, s.n_drafted, s.n_accepted) for s in hit] == \
+        [(s.tokens, s.source, s.n_drafted, s.n_accepted) for s in miss]
+    assert stats.per_source[MTP_SOURCE].n_drafted > 0
+    assert states[0] == states[1] and nexts[0] == nexts[1] and len(nexts[0]) == 3
+
+
 # --- the Session ----------------------------------------------------------------------------------
 
 
