@@ -155,6 +155,21 @@ set_nextn_layer_offset = _bind(
 )
 
 
+# llama_context * llama_get_ctx_other(llama_context * ctx): the context whose memory this one's shares (libllama
+# keeps ctx_other only where a model reads another's KV: gemma4's assistant); bound as an address (NULL: None)
+get_ctx_other = _bind(
+    ("llama_get_ctx_other", "_Z19llama_get_ctx_otherP13llama_context",
+     "?llama_get_ctx_other@@YAPEAUllama_context@@PEAU1@@Z"),
+    [_ctx],
+    ctypes.c_void_p,
+)
+
+
+def shares_memory_with(ctx: Any, other: Any) -> bool:
+    """Whether context `ctx` attends to `other`'s KV instead of a memory of its own (gemma4's MTP assistant)."""
+    return (get_ctx_other(ctx) or 0) == (ctypes.cast(other, ctypes.c_void_p).value or 0)
+
+
 # int32_t llama_model_n_devices(const llama_model * model): the devices libllama offloads this model's layers to
 model_n_devices = _bind(
     (
@@ -198,7 +213,7 @@ model_get_tok_embd = _bind(
 
 def mtp_api_present() -> bool:
     """Whether the loaded libllama has the nextn calls an MTP draft source drives its heads through."""
-    funcs = (set_embeddings_nextn, get_embeddings_nextn_ith, set_nextn_layer_offset)
+    funcs = (set_embeddings_nextn, get_embeddings_nextn_ith, set_nextn_layer_offset, get_ctx_other)
     return all(getattr(f, "__name__", "") != "missing" for f in funcs)
 
 

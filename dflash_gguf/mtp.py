@@ -85,7 +85,7 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
     n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model)
     target_embd = llama_ext.model_mtp_shape(target.model)[2]
     reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
-              if arch != target.architecture else
+              if ASSISTANT_OF.get(arch, arch) != target.architecture else
               "it holds no MTP heads" if n_heads == 0 else
               f"its vocabulary has {n_vocab} tokens, the target's {target.n_vocab}" if n_vocab != target.n_vocab else
               f"its rows are {n_embd} wide, the target's {target_embd}" if n_embd != target_embd else
@@ -96,6 +96,8 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
     return shared
 
 
+# heads shipped as a model of their own architecture, and the target architecture whose KV they read
+ASSISTANT_OF = {"gemma4-assistant": "gemma4"}
 Row = tuple[int, int, int]  # (token, position, address of the hidden-state row it is paired with)
 
 
@@ -104,8 +106,9 @@ class _HeadsContext:
     every sequence of a shared target context (issue 37), each sequence a sequence of it. As the gather's
     runner of Stage.MTP it decodes every sequence's rows of one head in one pass."""
 
-    def __init__(self, model: SharedModel, ctx: llama_ext.MTPContext, heads: str | None, n_heads: int) -> None:
-        self.model, self.ctx, self.heads, self.n_heads = model, ctx, heads, n_heads
+    def __init__(self, model: SharedModel, ctx: llama_ext.MTPContext, heads: str | None, n_heads: int,
+                 mem_shared: bool) -> None:
+        self.model, self.ctx, self.heads, self.n_heads, self.mem_shared = model, ctx, heads, n_heads, mem_shared
         self.n_batch = ctx.n_batch
         self.users = 1
 
@@ -129,7 +132,8 @@ class _HeadsContext:
             )
             n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model.ptr)
             return _HeadsContext(model, llama_ext.MTPContext(ctx, n_embd, n_vocab),
-                                 None if heads is None else os.fspath(heads), n_heads)
+                                 None if heads is None else os.fspath(heads), n_heads,
+                                 llama_ext.shares_memory_with(ctx, target.ctx))
         except BaseException:
             model.release()
             raise
@@ -195,7 +199,10 @@ class MTPHeads(NativeResource):
                 self._gather.serve(Stage.MTP, context.run, context.joins)
         self._ctx: _HeadsContext | None = context
         self.n_embd, self.n_vocab, self.n_heads = context.ctx.n_embd, context.ctx.n_vocab, context.n_heads
-        self.chained = self.n_heads > 1
+        # the shared-memory layout (gemma4's assistant): its layers attend to the target's own KV, so it keeps
+        # no positions of its own (nothing to process), and all its layers run in one graph
+        self.mem_shared = context.mem_shared
+        self.chained = self.n_heads > 1 and not self.mem_shared
         self.n_batch = target.n_batch
         self._chain = np.zeros((2, self.n_embd), np.float32)  # draft step rows: the carry, then the heads' own
         target.output_nextn()
@@ -229,6 +236,8 @@ class MTPHeads(NativeResource):
         """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before).
         Chained heads: each head in turn, after forgetting the positions from `start` (as upstream's driver:
         the cells come back in the same order, so each head's layer keeps what the head before it wrote)."""
+        if self.mem_shared:
+            return  # its attention reads the target's KV, which already holds them
         base, stride = rows.ctypes.data, self.n_embd * 4
         for head in range(self.n_heads):
             for lo in range(0, len(tokens), self.n_batch):
@@ -259,7 +268,9 @@ class MTPHeads(NativeResource):
                 out.append(token)
                 if i + 1 < n:  # the head's own row, copied: the next decode may overwrite its buffer
                     ctypes.memmove(chain + (i + 1) * stride, c.nextn_row(idx), stride)
-                    rows.append((token, n_past + i + 1, chain + (i + 1) * stride))
+                    # the shared-memory layout drafts every token at pos0 (upstream's driver, as gemma4's
+                    # assistant was trained): its attention sees the target's positions before it only
+                    rows.append((token, n_past if self.mem_shared else n_past + i + 1, chain + (i + 1) * stride))
         finally:
             with self._native():
                 c.remove(n_past, self.seq)
@@ -278,8 +289,11 @@ class MTPHeads(NativeResource):
             return c.pos_max(self.seq)
 
     def save_state(self) -> bytes:
-        """The MTP context's KV (every position it holds), as llama_state_seq bytes."""
+        """The MTP context's KV (every position it holds), as llama_state_seq bytes (none where the heads read
+        the target's KV: the target's own state holds it)."""
         c = self._live()
+        if self.mem_shared:
+            return b""
         with self._native():
             return state_seq_get(c.ctx, self.seq)
 
@@ -288,6 +302,10 @@ class MTPHeads(NativeResource):
         RuntimeError when libllama refuses them or they reach past n, ValueError for bytes that are no state
         (the context is then empty either way)."""
         c = self._live()
+        if self.mem_shared:
+            if data:
+                raise ValueError(f"heads that read the target's KV hold no state, got {len(data)} bytes")
+            return
         with self._native():
             try:
                 state_seq_set(c.ctx, data, self.seq)
@@ -455,7 +473,7 @@ class MTPSource(DraftSource):
         head = self._stride + _COUNT.size
         count = _COUNT.unpack_from(data, self._stride)[0] if len(data) >= head else -1
         state = head + count * (4 + self._stride)
-        if count < 0 or count > n or len(data) <= state:
+        if count < 0 or count > n or len(data) < state or (len(data) == state and not self.heads.mem_shared):
             self.heads.remove(0)
             raise ValueError(f"not an MTP state of {n} positions ({len(data)} bytes)")
         self.heads.load_state(data[state:], n - count)

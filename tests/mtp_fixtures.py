@@ -126,6 +126,47 @@ def build_step35_target(directory: Path, tokenizer_gguf: Path, *, n_heads: int =
     save_file(step35_tensors(n_heads, seed), hf_dir / "model.safetensors", metadata={"format": "pt"})
     return convert_target(hf_dir, directory / f"step35-mtp{n_heads}.gguf", tokenizer_gguf)
 
+
+# --- gemma4: the shared-memory layout, an assistant model that reads the target's KV ------------------------
+GEMMA4_LAYERS = ["sliding_attention", "full_attention"] * 2  # the assistant reads the last of each kind
+
+
+def build_gemma4_pair(directory: Path, tokenizer_gguf: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """(`directory`/gemma4.gguf, `directory`/gemma4-assistant.gguf): a tiny random Gemma 4 target and a random
+    two-layer Gemma 4 assistant (its MTP heads, a model of their own whose attention reads the target's last
+    sliding and full layers' KV), both transformers models converted by upstream's converter."""
+    import json
+
+    from transformers import (Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM,
+                              Gemma4TextConfig)
+
+    from hybrid_fixtures import _seed_weights
+
+    directory = Path(directory)
+    common = dict(vocab_size=VOCAB, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  global_head_dim=2 * HEAD_DIM, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  sliding_window=STEP35_WINDOW, hidden_size_per_layer_input=0, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=True)
+    target = Gemma4TextConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=len(GEMMA4_LAYERS),
+                              layer_types=GEMMA4_LAYERS, vocab_size_per_layer_input=VOCAB, **common)
+    assistant = Gemma4AssistantConfig(backbone_hidden_size=HIDDEN, text_config=dict(
+        hidden_size=HIDDEN // 2, intermediate_size=FFN // 2, num_hidden_layers=2, layer_types=GEMMA4_LAYERS[:2],
+        vocab_size_per_layer_input=0, num_kv_shared_layers=2, **common))
+    out = []
+    for name, cls, config, model_seed in (("gemma4", Gemma4ForCausalLM, target, seed),
+                                          ("gemma4-assistant", Gemma4AssistantForCausalLM, assistant, seed + MTP_SEED)):
+        torch.manual_seed(model_seed)
+        model = cls(config)
+        _seed_weights(model, model_seed)
+        model.config.architectures = [cls.__name__]
+        hf_dir = directory / f"{name}-hf"
+        model.save_pretrained(hf_dir)
+        # the converter trims the embedding to tokenizer.json's count; the vocabulary itself is replaced
+        (hf_dir / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(VOCAB)}},
+                                                           "added_tokens": []}))
+        out.append(convert_target(hf_dir, directory / f"{name}.gguf", tokenizer_gguf))
+    return out[0], out[1]
+
 if __name__ == "__main__":  # build it into a folder, for scripts/mtp_oracle.sh and the benchmark
     import argparse
 

@@ -40,16 +40,18 @@ def oracle(tmp_path_factory) -> Path:
     return out
 
 
-def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles) -> list[list[int]]:
+def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
+    """What upstream's driver drafts each cycle (heads: an MTP model of its own, as gemma4's assistant)."""
     spec = ",".join(f"{n}:{k}" for n, k in cycles)
-    out = subprocess.run([str(oracle), str(model), ",".join(map(str, prompt)), spec, "1"],
+    out = subprocess.run([str(oracle), str(model), ",".join(map(str, prompt)), spec, "1", *([str(heads)] if heads else [])],
                          capture_output=True, text=True, check=True).stdout
     return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
 
 
-def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None, setup=None) -> list[list[int]]:
+def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None, setup=None,
+               after=None) -> list[list[int]]:
     """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it
-    (setup(source), where given, first)."""
+    (setup(source), where given, first; after(target, committed, last) at the end)."""
     with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=heads is None) as t:
         source = MTPSource(t, heads=heads, max_draft=16)
         if setup is not None:
@@ -76,6 +78,8 @@ def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None
                 seq += block[: k + 1]
                 source.observe(Commit(n_past, block[: k + 1], sequence=seq))
                 last = int(argmax[k])
+            if after is not None:
+                after(t, seq, last)
             return out
         finally:
             source.close()
@@ -163,6 +167,59 @@ def test_the_chained_comparison_sees_a_head_without_its_kv(oracle, step35):
     want = upstream_drafts(oracle, step35[3], prompt, CYCLES)
     got = our_drafts(step35[3], prompt, CYCLES, setup=first_head_only)
     assert got[0][0] == want[0][0] and got[0][1:] != want[0][1:]  # head 0 keeps its KV, the others drafted blind
+
+
+# --- the shared-memory layout (gemma4) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory, embedded_target):
+    """A tiny random Gemma 4 target and its random assistant (tests/mtp_fixtures.py)."""
+    from mtp_fixtures import build_gemma4_pair
+
+    return build_gemma4_pair(tmp_path_factory.mktemp("gemma4"), embedded_target)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["varied", "repeats"])
+def test_the_shared_memory_layout_drafts_what_upstreams_driver_drafts(oracle, gemma4, prompt):
+    """gemma4's assistant, a model of its own reading the target's KV: no catch-up pass, every draft token at
+    pos0 after the carry; the target's KV is left as a plain decode leaves it."""
+    target, assistant = gemma4
+    want = upstream_drafts(oracle, target, prompt, CYCLES, heads=assistant)
+    assert [len(d) for d in want] == [n for n, _ in CYCLES]
+
+    def target_untouched(t, committed, last):
+        t.decode([last], len(committed))
+        got = t.output_logits()[-1].copy()
+        with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as fresh:
+            fresh.decode(committed + [last], 0, logits="last")
+            alone = fresh.output_logits()[-1]
+            assert got.argmax() == alone.argmax() and np.abs(got - alone).max() < 1e-2
+
+    assert our_drafts(target, prompt, CYCLES, heads=assistant, after=target_untouched) == want
+
+
+def test_the_shared_memory_layouts_state_is_the_carry_alone(gemma4):
+    """Its heads hold no KV (the target's state does): a snapshot is the carry and the waiting rows, and a
+    restore drafts what the source would have drafted."""
+    target, assistant = gemma4
+    prompt = PROMPTS[0]
+    with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        source = MTPSource(t, heads=assistant)
+        try:
+            assert source.heads.mem_shared and not source.heads.chained and source.heads.n_heads == 2
+            t.decode(prompt, 0)
+            source.observe(Commit(0, prompt, sequence=list(prompt)))
+            state = source.snapshot()
+            assert source.heads.save_state() == b"" and len(state) == 4 * 64 + 4 + (4 + 4 * 64) * len(prompt)
+            want = source.propose(7, len(prompt), 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+            source.truncate(0)
+            source.restore(state, len(prompt))
+            assert source.propose(7, len(prompt), 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == want
+            with pytest.raises(ValueError):
+                source.restore(state + b"\0" * 8, len(prompt))
+        finally:
+            source.close()
 
 
 @pytest.mark.parametrize("n_heads", [1, 3])
