@@ -222,6 +222,60 @@ def test_the_shared_memory_layouts_state_is_the_carry_alone(gemma4):
             source.close()
 
 
+def drive(target: Target, source: MTPSource, prompt: list[int], cycles: int = 6) -> tuple[list[list[int]], list[int]]:
+    """Greedy speculative cycles of three drafts by hand (prefill, propose, verify, roll back, observe):
+    what it drafted each cycle, and what it committed."""
+    seq = list(prompt)
+    target.decode(prompt, 0, logits="last")
+    source.observe(Commit(0, prompt, sequence=seq))
+    last, drafts = int(target.output_logits()[-1].argmax()), []
+    for _ in range(cycles):
+        n = len(seq)
+        d = source.propose(last, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+        drafts.append(d)
+        target.decode([last] + d, n, logits=True)
+        argmax = target.output_logits().argmax(axis=1)
+        k = 0
+        while k < len(d) and argmax[k] == d[k]:
+            k += 1
+        target.remove(0, n + 1 + k)
+        seq += ([last] + d)[: k + 1]
+        source.observe(Commit(n, ([last] + d)[: k + 1], sequence=seq))
+        last = int(argmax[k])
+    return drafts, seq
+
+
+def test_the_shared_memory_layout_drafts_on_sequences_of_a_shared_context(gemma4):
+    """The assistant on sequences of a shared target context reads each sequence's own KV stream: each drafts
+    and commits what it does on a context of its own (the second sequence first, so ids do not line up)."""
+    from dflash_gguf.batching import SharedContext
+
+    target, assistant = gemma4
+    alone = []
+    for prompt in PROMPTS:
+        with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+            source = MTPSource(t, heads=assistant)
+            try:
+                alone.append(drive(t, source, prompt))
+            finally:
+                source.close()
+    owner = Target.open(target, n_ctx=2 * N_CTX, n_batch=N_BATCH, n_threads=1, n_seq_max=2, kv_unified=False)
+    context = SharedContext(owner)
+    sequences = [context.sequence() for _ in PROMPTS]
+    sources = [MTPSource(t, heads=assistant) for t in sequences]
+    try:
+        assert sources[0].heads._ctx is sources[1].heads._ctx and sources[1].heads.mem_shared
+        for i in (1, 0):
+            assert drive(sequences[i], sources[i], PROMPTS[i]) == alone[i]
+        assert context.mtp_context is not None
+    finally:
+        for s in sources:
+            s.close()
+        for t in sequences:
+            t.close()
+    assert context.mtp_context is None and owner.closed
+
+
 @pytest.mark.parametrize("n_heads", [1, 3])
 def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_heads):
     """Three Sessions, sequences of one target context (issue 37), the heads drafting every cycle (a fixed
