@@ -123,7 +123,7 @@ class SharedContext:
         self._pending: list[Request] = []
         self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
         self.drafter_context: Any = None  # the drafter context its sequences share (drafter.SharedDraftContext)
-        self.mtp_context: Any = None  # the MTP context its sequences share (mtp.MTPHeads)
+        self.mtp_context: Any = None  # the MTP context its sequences share (mtp._HeadsContext)
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
@@ -375,7 +375,6 @@ class SequenceTarget(Target):
 
     def nextn_address(self, n_tokens: int) -> int:
         return super().nextn_address(n_tokens) + self._row_base * self._nextn_stride
-
 
     def fork(self, *, n_ctx: int | None = None, n_seq_max: int | None = None,
              kv_unified: bool | None = None) -> "SequenceTarget":

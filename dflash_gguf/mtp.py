@@ -22,6 +22,8 @@ dropped, their positions held with no MTP state (drafts then see less of the dis
 it all; the output is the same).
 Chained heads (step35: n trained heads, head i drafting token i + 1) follow upstream's driver too: every
 head processes the committed positions, and draft step i re-decodes the draft prefix under head i (MTPHeads).
+The shared-memory layout (gemma4's assistant, a heads model of its own reading the target's KV) processes
+nothing and drafts every token at pos0, as upstream's driver does.
 On a sequence of a shared target context (batching.SharedContext) the sequences share one MTP context, a
 KV stream each, and its decodes are gathered with theirs (Stage.MTP), as upstream's driver batches them.
 The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
@@ -37,7 +39,6 @@ import os
 import struct
 from contextlib import nullcontext
 from typing import Any, Callable
-
 
 import numpy as np
 
@@ -177,6 +178,8 @@ class MTPHeads(NativeResource):
     autoregressively after `last` and removes what it added. Chained heads (step35: n_heads trained heads,
     head i drafting token i + 1) are driven as upstream's driver drives them: every head processes the
     committed positions (its own layer's KV), and draft step i re-decodes the whole draft prefix under head i.
+    The shared-memory layout (gemma4's assistant, `mem_shared`) attends to the target's KV: it processes
+    nothing, and every draft step is at pos0.
     """
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
@@ -187,8 +190,8 @@ class MTPHeads(NativeResource):
         if context is not None:
             wanted = None if heads is None else os.fspath(heads)
             if context.heads != wanted:
-                raise ValueError(f"the shared context's MTP heads are {context.heads or 'the target’s own'}, "
-                                 f"not {wanted or 'the target’s own'}")
+                own = "the target's own"
+                raise ValueError(f"the shared context's MTP heads are {context.heads or own}, not {wanted or own}")
             with self._native():
                 context.users += 1
         else:
@@ -241,7 +244,8 @@ class MTPHeads(NativeResource):
         base, stride = rows.ctypes.data, self.n_embd * 4
         for head in range(self.n_heads):
             for lo in range(0, len(tokens), self.n_batch):
-                batch = [(tokens[i], start + i, base + i * stride) for i in range(lo, min(lo + self.n_batch, len(tokens)))]
+                hi = min(lo + self.n_batch, len(tokens))
+                batch = [(tokens[i], start + i, base + i * stride) for i in range(lo, hi)]
                 self._decode(batch, head, start if self.chained and lo == 0 else None, False)
 
     def draft(self, last: int, n_past: int, carry: int, n: int,

@@ -43,8 +43,8 @@ def oracle(tmp_path_factory) -> Path:
 def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
     """What upstream's driver drafts each cycle (heads: an MTP model of its own, as gemma4's assistant)."""
     spec = ",".join(f"{n}:{k}" for n, k in cycles)
-    out = subprocess.run([str(oracle), str(model), ",".join(map(str, prompt)), spec, "1", *([str(heads)] if heads else [])],
-                         capture_output=True, text=True, check=True).stdout
+    args = [str(oracle), str(model), ",".join(map(str, prompt)), spec, "1", *([str(heads)] if heads else [])]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
 
 
