@@ -169,6 +169,22 @@ def test_the_chained_comparison_sees_a_head_without_its_kv(oracle, step35):
     assert got[0][0] == want[0][0] and got[0][1:] != want[0][1:]  # head 0 keeps its KV, the others drafted blind
 
 
+@pytest.mark.parametrize("block", [5, None])
+def test_chained_heads_are_lossless_in_a_session(step35, block):
+    """Greedy with three chained heads is plain decoding (a block of 5 asks four drafts of three heads: they
+    draft three); sampled, their drafts carry the heads' own laws, as many rows as drafts."""
+    with Session(step35[3], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False) as s:
+        assert s.mtp and s._mtp.max_draft == 3
+        want = s.generate("Good morning!", max_tokens=32, speculative=False).tokens
+        s.reset()
+        r = s.generate("Good morning!", max_tokens=32, block_size=block)
+        assert r.tokens == want and r.stats.per_source[MTP_SOURCE].n_drafted > 0
+        s.reset()
+        r = s.generate("Good morning!", max_tokens=24, temperature=1.0, seed=3, block_size=5)
+        mtp = r.stats.per_source[MTP_SOURCE]
+        assert len(r.tokens) == 24 and mtp.n_drafted > 0 and mtp.n_drafted <= 3 * r.stats.cycles
+
+
 # --- the shared-memory layout (gemma4) -------------------------------------------------------------
 
 
