@@ -124,6 +124,7 @@ class SharedContext:
         self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
         self.drafter_context: Any = None  # the drafter context its sequences share (drafter.SharedDraftContext)
         self.mtp_context: Any = None  # the MTP context its sequences share (mtp._HeadsContext)
+        self.setup = threading.Lock()  # held while a sequence finds or makes a context its sequences share
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows

@@ -186,20 +186,14 @@ class MTPHeads(NativeResource):
                  n_threads: int | None = None) -> None:
         self._gather: SharedContext | None = target.shared if isinstance(target, SequenceTarget) else None
         self.seq = 0 if self._gather is None else target.seq_id
-        context = None if self._gather is None else self._gather.mtp_context
-        if context is not None:
-            wanted = None if heads is None else os.fspath(heads)
-            if context.heads != wanted:
-                own = "the target's own"
-                raise ValueError(f"the shared context's MTP heads are {context.heads or own}, not {wanted or own}")
-            with self._native():
-                context.users += 1
-        else:
-            context = _HeadsContext.open(target, heads, n_threads, 1 if self._gather is None else
-                                         self._gather.n_sequences)
-            if self._gather is not None:
-                self._gather.mtp_context = context
-                self._gather.serve(Stage.MTP, context.run, context.joins)
+        with nullcontext() if self._gather is None else self._gather.setup:  # one context, however many ask
+            context = self._join_shared(heads) if self._gather is not None else None
+            if context is None:
+                context = _HeadsContext.open(target, heads, n_threads, 1 if self._gather is None else
+                                             self._gather.n_sequences)
+                if self._gather is not None:
+                    self._gather.mtp_context = context
+                    self._gather.serve(Stage.MTP, context.run, context.joins)
         self._ctx: _HeadsContext | None = context
         self.n_embd, self.n_vocab, self.n_heads = context.ctx.n_embd, context.ctx.n_vocab, context.n_heads
         # the shared-memory layout (gemma4's assistant): its layers attend to the target's own KV, so it keeps
@@ -209,6 +203,19 @@ class MTPHeads(NativeResource):
         self.n_batch = target.n_batch
         self._chain = np.zeros((2, self.n_embd), np.float32)  # draft step rows: the carry, then the heads' own
         target.output_nextn()
+
+    def _join_shared(self, heads: str | os.PathLike[str] | None) -> _HeadsContext | None:
+        """The MTP context the shared target's sequences already draft in, now this one's too (None: none yet)."""
+        context = self._gather.mtp_context
+        if context is None:
+            return None
+        wanted = None if heads is None else os.fspath(heads)
+        if context.heads != wanted:
+            own = "the target's own"
+            raise ValueError(f"the shared context's MTP heads are {context.heads or own}, not {wanted or own}")
+        with self._native():
+            context.users += 1
+        return context
 
     def _native(self) -> Any:
         """Held around a C call on the MTP context: the gather's lock where sequences share it."""

@@ -281,6 +281,8 @@ def test_the_shared_memory_layout_drafts_on_sequences_of_a_shared_context(gemma4
     sources = [MTPSource(t, heads=assistant) for t in sequences]
     try:
         assert sources[0].heads._ctx is sources[1].heads._ctx and sources[1].heads.mem_shared
+        with pytest.raises(ValueError, match="the shared context's MTP heads are .*gemma4-assistant.gguf, not the"):
+            MTPSource(sequences[0])  # the target's own heads beside the assistant: one MTP context serves them all
         for i in (1, 0):
             assert drive(sequences[i], sources[i], PROMPTS[i]) == alone[i]
         assert context.mtp_context is not None
