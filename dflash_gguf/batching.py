@@ -63,10 +63,12 @@ class Stage(enum.IntEnum):
 
     INJECT = 0  # committed target features into the drafter's KV cache
     DRAFT = 1  # the drafter's block pass
-    TARGET = 2  # target rows: a prefill chunk, a plain step, a verify block
+    MTP = 2  # rows of the MTP heads: committed positions, or one draft step (mtp.MTPHeads)
+    TARGET = 3  # target rows: a prefill chunk, a plain step, a verify block
 
 
-_CONTEXT = {Stage.INJECT: "drafter", Stage.DRAFT: "drafter", Stage.TARGET: "target"}  # whose buffers a stage writes
+# whose buffers a stage writes
+_CONTEXT = {Stage.INJECT: "drafter", Stage.DRAFT: "drafter", Stage.MTP: "mtp", Stage.TARGET: "target"}
 
 
 class Request:
@@ -114,10 +116,12 @@ class SharedContext:
         self._free = list(range(self.n_sequences))
         self._open: set[int] = set()
         self._busy: dict[int, int] = {}  # sequence -> cycles it is inside (nested holds count)
-        self._readers: dict[str, set[int]] = {"target": set(), "drafter": set()}  # by whose buffers they read
+        self._readers: dict[str, set[int]] = {name: set() for name in _CONTEXT.values()}  # by whose buffers they read
         self._pending: list[Request] = []
         self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
         self.drafter_context: Any = None  # the drafter context its sequences share (drafter.SharedDraftContext)
+        self.mtp_context: Any = None  # the MTP context its sequences share (mtp._HeadsContext)
+        self.setup = threading.Lock()  # held while a sequence finds or makes a context its sequences share
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
@@ -301,12 +305,13 @@ class SequenceTarget(Target):
         owner = shared.owner
         super().__init__(owner.model, owner.ctx, owned=False, path=owner.path, n_gpu_layers=owner.n_gpu_layers,
                          flash_attn=owner.flash_attn, shared=owner.shared_model(), type_k=owner.type_k,
-                         type_v=owner.type_v)
+                         type_v=owner.type_v, mtp_loaded=owner.n_mtp_heads > 0)
         self.shared = shared
         self.seq_id = seq_id
         self.n_seq_max = 1  # callers see one sequence; a draft tree's branches would need ids of their own
         self._row_base = 0  # this sequence's first batch row and first output row in the last gathered decode
         self._out_base = 0
+        self._nextn_stride = capi.llama_model_n_embd_out(owner.model) * ctypes.sizeof(ctypes.c_float)
 
     @contextmanager
     def cycle(self) -> Iterator[None]:
@@ -361,7 +366,13 @@ class SequenceTarget(Target):
         return super()._layer_input(lid) + self._row_base * self.n_embd * ctypes.sizeof(ctypes.c_float)
 
     def output_nextn(self) -> None:
-        raise RuntimeError("an MTP head drafts from a context of its own target: not on a shared sequence")
+        """Every decode of the shared context outputs its rows' nextn hidden states from now on (each sequence
+        reads its own: nextn_address)."""
+        with self.shared.native():
+            super().output_nextn()
+
+    def nextn_address(self, n_tokens: int) -> int:
+        return super().nextn_address(n_tokens) + self._row_base * self._nextn_stride
 
     def fork(self, *, n_ctx: int | None = None, n_seq_max: int | None = None,
              kv_unified: bool | None = None) -> "SequenceTarget":

@@ -155,6 +155,21 @@ set_nextn_layer_offset = _bind(
 )
 
 
+# llama_context * llama_get_ctx_other(llama_context * ctx): the context whose memory this one's shares (libllama
+# keeps ctx_other only where a model reads another's KV: gemma4's assistant); bound as an address (NULL: None)
+get_ctx_other = _bind(
+    ("llama_get_ctx_other", "_Z19llama_get_ctx_otherP13llama_context",
+     "?llama_get_ctx_other@@YAPEAUllama_context@@PEAU1@@Z"),
+    [_ctx],
+    ctypes.c_void_p,
+)
+
+
+def shares_memory_with(ctx: Any, other: Any) -> bool:
+    """Whether context `ctx` attends to `other`'s KV instead of a memory of its own (gemma4's MTP assistant)."""
+    return (get_ctx_other(ctx) or 0) == (ctypes.cast(other, ctypes.c_void_p).value or 0)
+
+
 # int32_t llama_model_n_devices(const llama_model * model): the devices libllama offloads this model's layers to
 model_n_devices = _bind(
     (
@@ -198,7 +213,7 @@ model_get_tok_embd = _bind(
 
 def mtp_api_present() -> bool:
     """Whether the loaded libllama has the nextn calls an MTP draft source drives its heads through."""
-    funcs = (set_embeddings_nextn, get_embeddings_nextn_ith, set_nextn_layer_offset)
+    funcs = (set_embeddings_nextn, get_embeddings_nextn_ith, set_nextn_layer_offset, get_ctx_other)
     return all(getattr(f, "__name__", "") != "missing" for f in funcs)
 
 
@@ -236,11 +251,11 @@ def model_mtp_shape(model: Any) -> tuple[int, int, int]:
 
 class MTPContext:
     """An MTP context (made by target.new_context with ctx_type CONTEXT_TYPE_MTP), owned from here on, and
-    the one extended batch it is fed through: each row is a token at a position with a hidden-state row
-    (an address of n_embd floats). `free()` frees both; the model is its owner's to release.
+    the one extended batch it is fed through: each row is a token of a sequence at a position with a
+    hidden-state row (an address of n_embd floats). `free()` frees both; the model is its owner's to release.
 
     The calls per row are the cycle's hot path: the position and the row go through ctypes objects made
-    once, and the logits come back as a view built once per logits buffer.
+    once, and the logits come back as a view built once per address.
     """
 
     def __init__(self, ctx: Any, n_embd: int, n_vocab: int) -> None:
@@ -255,14 +270,17 @@ class MTPContext:
         self._pos_ref = ctypes.byref(self._pos)
         self._embd = _EmbdRow(None, 1, n_embd)  # its data address is set per row
         self._logits: tuple[int, np.ndarray] = (0, np.empty(0, np.float32))  # (address, view) of the last logits
+        self._head = 0  # the trained head (nextn layer offset) the next decode runs
+        self.n_batch = int(_capi.llama_n_batch(ctx))  # rows one decode takes
         set_embeddings_nextn(ctx, True, True)  # the head's own row of each output, for chaining
 
     def clear(self) -> None:
         _capi.llama_batch_ext_clear(self._batch)
 
-    def add(self, token: int, pos: int, row_address: int, output: bool) -> None:
-        """One batch row: `token` at `pos`, paired with the hidden-state row at `row_address`."""
-        idx = _capi.llama_batch_ext_add_token(self._batch, 0, token)
+    def add(self, token: int, pos: int, row_address: int, output: bool, seq: int = 0) -> int:
+        """One batch row: `token` of sequence `seq` at `pos`, paired with the hidden-state row at `row_address`;
+        returns its batch index."""
+        idx = _capi.llama_batch_ext_add_token(self._batch, seq, token)
         if idx < 0:
             raise RuntimeError(f"the MTP batch refused token {token} (error {idx})")
         self._pos.value = pos
@@ -272,40 +290,56 @@ class MTPContext:
             raise RuntimeError(f"the MTP batch refused the position or the row of token {token}")
         if output:
             _capi.llama_batch_ext_set_output_logits(self._batch, idx, True)
+        return idx
 
-    def decode(self) -> None:
+    def set_head(self, head: int) -> None:
+        """Which trained head the next decode runs (chained heads, step35: one per draft step)."""
+        if head != self._head:
+            set_nextn_layer_offset(self.ctx, head)
+            self._head = head
+
+    def decode(self, settle: bool = False) -> None:
+        """settle: put the outputs of several sequences in batch order now (batching.settle_outputs says why)."""
         rc = _capi.llama_process(self.ctx, _capi.LLAMA_PROCESS_TYPE_DECODE, self._batch)
         if rc != 0:
             raise RuntimeError(f"the MTP context's decode failed with code {rc}")
+        if settle:
+            _capi.llama_get_logits(self.ctx)
 
-    def logits(self) -> np.ndarray:
-        """The last decode's first output row of logits (a view, valid until the next decode)."""
-        address = _get_logits_ith_address(self.ctx, 0)
+    def logits(self, i: int = 0) -> np.ndarray:
+        """The logits of the last decode's batch row i, an output (a view, valid until the next decode)."""
+        address = _get_logits_ith_address(self.ctx, i)
         if not address:
-            raise RuntimeError("the MTP context returned no logits")
-        if address != self._logits[0]:
-            view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
-            self._logits = (address, view)
-        return self._logits[1]
+            raise RuntimeError(f"the MTP context returned no logits for batch row {i}")
+        cached = self._logits  # one read: sequences of a shared context call this from their own threads
+        if address != cached[0]:
+            cached = (address, np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)),
+                                                     shape=(self.n_vocab,)))
+            self._logits = cached
+        return cached[1]
 
-    def nextn_row(self) -> int:
-        """The address of the last decode's first output row of the head's own hidden state."""
-        address = get_embeddings_nextn_ith(self.ctx, 0)
+    def nextn_row(self, i: int = 0) -> int:
+        """The address of the head's own hidden state at the last decode's batch row i (an output)."""
+        address = get_embeddings_nextn_ith(self.ctx, i)
         if not address:
-            raise RuntimeError("the MTP context returned no nextn row")
+            raise RuntimeError(f"the MTP context returned no nextn row for batch row {i}")
         return address
 
-    def remove(self, p0: int) -> None:
-        """Forget positions >= p0."""
-        if not _capi.llama_memory_seq_rm(self._mem, 0, p0, -1):
+    def remove(self, p0: int, seq: int = 0) -> None:
+        """Forget the sequence's positions >= p0."""
+        if not _capi.llama_memory_seq_rm(self._mem, seq, p0, -1):
             raise RuntimeError(f"could not remove MTP positions >= {p0}")
 
-    def clear_memory(self) -> None:
-        _capi.llama_memory_clear(self._mem, True)
+    def clear_memory(self, seq: int = -1) -> None:
+        """Forget every position of the sequence (-1: of every sequence)."""
+        if seq < 0:
+            _capi.llama_memory_clear(self._mem, True)
+        else:
+            self.remove(0, seq)
 
-    def pos_max(self) -> int:
-        """The highest position the context holds (-1: none)."""
-        return int(_capi.llama_memory_seq_pos_max(self._mem, 0))
+    def pos_max(self, seq: int = 0) -> int:
+        """The highest position the context holds of the sequence (-1: none)."""
+        return int(_capi.llama_memory_seq_pos_max(self._mem, seq))
 
     def free(self) -> None:
         _capi.llama_batch_ext_free(self._batch)

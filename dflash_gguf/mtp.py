@@ -20,6 +20,12 @@ declined SET_ASIDE_AFTER in a row, they wait: a head set aside costs no pass for
 resets and cut follow-ups. It then holds at most 2 x MAX_WAITING waiting rows: past that the oldest are
 dropped, their positions held with no MTP state (drafts then see less of the distant past, upstream's see
 it all; the output is the same).
+Chained heads (step35: n trained heads, head i drafting token i + 1) follow upstream's driver too: every
+head processes the committed positions, and draft step i re-decodes the draft prefix under head i (MTPHeads).
+The shared-memory layout (gemma4's assistant, a heads model of its own reading the target's KV) processes
+nothing and drafts every token at pos0, as upstream's driver does.
+On a sequence of a shared target context (batching.SharedContext) the sequences share one MTP context, a
+KV stream each, and its decodes are gathered with theirs (Stage.MTP), as upstream's driver batches them.
 The prompt cache stores the whole state (`snapshot`: carry, waiting tokens and rows, the context's KV).
 Greedy drafts are the head's argmax (as upstream's, whose drafts are its top token whatever the sampling);
 sampled ones are drawn from the head's own distribution under the request's sampling settings, and
@@ -31,11 +37,13 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-from typing import Callable
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import numpy as np
 
 from . import llama_ext
+from .batching import Request, SequenceTarget, SharedContext, Stage
 from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
@@ -60,12 +68,10 @@ def mtp_unusable_reason(target: Target) -> str | None:
     """Why this target's MTP heads cannot draft here, or None when they can."""
     if target.n_mtp_heads == 0:
         return "the target has no MTP heads loaded (none in the GGUF, or opened without load_mtp)"
-    return _heads_reason(target.n_mtp_heads, "the target")
+    return _heads_reason()
 
 
-def _heads_reason(n_heads: int, where: str) -> str | None:
-    if n_heads > 1:
-        return f"{where} has {n_heads} chained MTP heads (step35 layout): only a single trained head is driven here"
+def _heads_reason() -> str | None:
     if not llama_ext.mtp_api_present():
         return "this libllama lacks the nextn calls (llama_get_embeddings_nextn_ith, llama_set_nextn_layer_offset)"
     return None
@@ -80,112 +86,259 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
     n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model)
     target_embd = llama_ext.model_mtp_shape(target.model)[2]
     reason = (f"it is a {arch or 'GGUF without an architecture'}, the target a {target.architecture}"
-              if arch != target.architecture else
+              if ASSISTANT_OF.get(arch, arch) != target.architecture else
               "it holds no MTP heads" if n_heads == 0 else
               f"its vocabulary has {n_vocab} tokens, the target's {target.n_vocab}" if n_vocab != target.n_vocab else
               f"its rows are {n_embd} wide, the target's {target_embd}" if n_embd != target_embd else
-              _heads_reason(n_heads, "it"))
+              _heads_reason())
     if reason is not None:
         shared.release()
         raise ValueError(f"{path}: not MTP heads for this target: {reason}")
     return shared
 
 
-class MTPHeads(NativeResource):
-    """libllama's MTP context on a target's model (or on a heads file shipped apart from it, `heads`): its own
-    KV cache of the head's one attention layer, fed the target's rows (`ctx_other` is the target's context).
+# heads shipped as a model of their own architecture, and the target architecture whose KV they read
+ASSISTANT_OF = {"gemma4-assistant": "gemma4"}
+Row = tuple[int, int, int]  # (token, position, address of the hidden-state row it is paired with)
 
-    `process` adds committed positions (token + the target's row before it), `draft` runs the head
-    autoregressively after `last` and removes what it added. The calls into C are llama_ext.MTPContext's.
-    """
 
-    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
-                 n_threads: int | None = None) -> None:
+class _HeadsContext:
+    """An MTP context and the model share it runs on, with its users: one per target context, or one for
+    every sequence of a shared target context (issue 37), each sequence a sequence of it. As the gather's
+    runner of Stage.MTP it decodes every sequence's rows of one head in one pass."""
+
+    def __init__(self, model: SharedModel, ctx: llama_ext.MTPContext, heads: str | None, n_heads: int,
+                 mem_shared: bool) -> None:
+        self.model, self.ctx, self.heads, self.n_heads, self.mem_shared = model, ctx, heads, n_heads, mem_shared
+        self.n_batch = ctx.n_batch
+        self.users = 1
+
+    @staticmethod
+    def open(target: Target, heads: str | os.PathLike[str] | None, n_threads: int | None,
+             n_seq: int) -> "_HeadsContext":
         if heads is None:
             reason = mtp_unusable_reason(target)
             if reason is not None:
                 raise ValueError(f"cannot draft with MTP heads: {reason}")
-            self._shared = target.shared_model()
+            model = target.shared_model()
         else:
-            self._shared = _load_heads(heads, target)
+            model = _load_heads(heads, target)
         try:
-            threads = target.n_threads if n_threads is None else n_threads
+            # one KV stream per sequence (not unified): each keeps its cells in its own order, as alone, which
+            # chained heads' per-head KV relies on (see MTPHeads.process)
             ctx = new_context(
-                self._shared.ptr, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=threads,
-                flash_attn=target.flash_attn, ctx_other=target.ctx, ctx_type=llama_ext.CONTEXT_TYPE_MTP,
+                model.ptr, n_ctx=target.n_ctx_seq * n_seq, n_batch=target.n_batch, n_seq_max=n_seq,
+                n_threads=target.n_threads if n_threads is None else n_threads, flash_attn=target.flash_attn,
+                ctx_other=target.ctx, ctx_type=llama_ext.CONTEXT_TYPE_MTP,
             )
-            self.n_embd = llama_ext.model_mtp_shape(self._shared.ptr)[2]
-            self._ctx: llama_ext.MTPContext | None = llama_ext.MTPContext(ctx, self.n_embd, target.n_vocab)
+            n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model.ptr)
+            return _HeadsContext(model, llama_ext.MTPContext(ctx, n_embd, n_vocab),
+                                 None if heads is None else os.fspath(heads), n_heads,
+                                 llama_ext.shares_memory_with(ctx, target.ctx))
         except BaseException:
-            self._shared.release()
+            model.release()
             raise
-        self.n_vocab = target.n_vocab
+
+    def joins(self, taken: list[Request], r: Request) -> bool:
+        """Rows of one head, as many as one batch holds."""
+        return r.payload[1] == taken[0].payload[1] and sum(t.n for t in taken) + r.n <= self.n_batch
+
+    def run(self, requests: list[Request]) -> None:
+        """One decode of every request's rows (payload: rows, head, forget-from, whether the last is an output),
+        after forgetting each sequence's positions from where it asks."""
+        c = self.ctx
+        for r in requests:
+            if r.payload[2] is not None:
+                c.remove(r.payload[2], r.seq)
+        c.set_head(requests[0].payload[1])
+        c.clear()
+        for r in requests:
+            rows, _, _, output = r.payload
+            r.row = r.out = c.add(*rows[0], output and len(rows) == 1, r.seq)
+            for k in range(1, len(rows)):
+                c.add(*rows[k], output and k == len(rows) - 1, r.seq)
+        c.decode(settle=True)  # the sequences read their rows at once: sorted here, once
+
+    def release(self) -> bool:
+        """One user fewer; the last frees the context and its model share (True)."""
+        self.users -= 1
+        if self.users:
+            return False
+        self.ctx.free()
+        self.model.release()
+        return True
+
+
+class MTPHeads(NativeResource):
+    """libllama's MTP context on a target's model (or on a heads file shipped apart from it, `heads`): its own
+    KV cache of the heads' attention layers, fed the target's rows. On a sequence of a shared target context
+    the sequences share one MTP context, a sequence of it each, and their decodes are gathered (Stage.MTP).
+
+    `process` adds committed positions (token + the target's row before it), `draft` runs the heads
+    autoregressively after `last` and removes what it added. Chained heads (step35: n_heads trained heads,
+    head i drafting token i + 1) are driven as upstream's driver drives them: every head processes the
+    committed positions (its own layer's KV), and draft step i re-decodes the whole draft prefix under head i.
+    The shared-memory layout (gemma4's assistant, `mem_shared`) attends to the target's KV: it processes
+    nothing, and every draft step is at pos0.
+    """
+
+    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
+                 n_threads: int | None = None) -> None:
+        self._gather: SharedContext | None = target.shared if isinstance(target, SequenceTarget) else None
+        self.seq = 0 if self._gather is None else target.seq_id
+        with nullcontext() if self._gather is None else self._gather.setup:  # one context, however many ask
+            context = self._join_shared(heads) if self._gather is not None else None
+            if context is None:
+                context = _HeadsContext.open(target, heads, n_threads, 1 if self._gather is None else
+                                             self._gather.n_sequences)
+                if self._gather is not None:
+                    self._gather.mtp_context = context
+                    self._gather.serve(Stage.MTP, context.run, context.joins)
+        self._ctx: _HeadsContext | None = context
+        self.n_embd, self.n_vocab, self.n_heads = context.ctx.n_embd, context.ctx.n_vocab, context.n_heads
+        # the shared-memory layout (gemma4's assistant): its layers attend to the target's own KV, so it keeps
+        # no positions of its own (nothing to process), and all its layers run in one graph
+        self.mem_shared = context.mem_shared
+        self.chained = self.n_heads > 1 and not self.mem_shared
         self.n_batch = target.n_batch
+        self._chain = np.zeros((2, self.n_embd), np.float32)  # draft step rows: the carry, then the heads' own
         target.output_nextn()
+
+    def _join_shared(self, heads: str | os.PathLike[str] | None) -> _HeadsContext | None:
+        """The MTP context the shared target's sequences already draft in, now this one's too (None: none yet)."""
+        context = self._gather.mtp_context
+        if context is None:
+            return None
+        wanted = None if heads is None else os.fspath(heads)
+        if context.heads != wanted:
+            own = "the target's own"
+            raise ValueError(f"the shared context's MTP heads are {context.heads or own}, not {wanted or own}")
+        with self._native():
+            context.users += 1
+        return context
+
+    def _native(self) -> Any:
+        """Held around a C call on the MTP context: the gather's lock where sequences share it."""
+        return nullcontext() if self._gather is None else self._gather.native()
 
     def _live(self) -> llama_ext.MTPContext:
         if self._ctx is None:
             raise self._closed_error()
-        return self._ctx
+        return self._ctx.ctx
+
+    def _decode(self, rows: list[Row], head: int, forget: int | None, output: bool) -> int:
+        """Decode this sequence's rows under `head` after forgetting its positions >= forget (None: none);
+        returns the batch index of the last row (an output when `output`)."""
+        c = self._live()
+        if self._gather is not None:
+            return self._gather.submit(self.seq, Stage.MTP, len(rows), int(output), (rows, head, forget, output)).row \
+                + len(rows) - 1
+        if forget is not None:
+            c.remove(forget)
+        c.set_head(head)
+        c.clear()
+        for k, row in enumerate(rows):
+            c.add(*row, output and k == len(rows) - 1)
+        c.decode()
+        return len(rows) - 1
 
     def process(self, tokens: list[int], start: int, rows: np.ndarray) -> None:
-        """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before)."""
-        c = self._live()
+        """KV entries for tokens at positions start.., token i paired with rows[i] (the target's h one before).
+        Chained heads: each head in turn, after forgetting the positions from `start` (as upstream's driver:
+        the cells come back in the same order, so each head's layer keeps what the head before it wrote)."""
+        if self.mem_shared:
+            return  # its attention reads the target's KV, which already holds them
         base, stride = rows.ctypes.data, self.n_embd * 4
-        for lo in range(0, len(tokens), self.n_batch):
-            c.clear()
-            for i in range(lo, min(lo + self.n_batch, len(tokens))):
-                c.add(tokens[i], start + i, base + i * stride, False)
-            c.decode()
+        for head in range(self.n_heads):
+            for lo in range(0, len(tokens), self.n_batch):
+                hi = min(lo + self.n_batch, len(tokens))
+                batch = [(tokens[i], start + i, base + i * stride) for i in range(lo, hi)]
+                self._decode(batch, head, start if self.chained and lo == 0 else None, False)
 
     def draft(self, last: int, n_past: int, carry: int, n: int,
               pick: Callable[[int, np.ndarray], int] | None = None) -> list[int]:
         """n drafts after `last` at n_past, whose target row before is at address `carry`; the context keeps
-        none. Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call)."""
+        none. Each is the argmax of the head's logits, or pick(i, logits) (a view, valid during the call).
+        Chained heads draft at most n_heads (draft i is head i's)."""
         c = self._live()
+        if self.chained:
+            n = min(n, self.n_heads)
+        if self._chain.shape[0] < n + 1:
+            self._chain = np.zeros((n + 1, self.n_embd), np.float32)
+        chain, stride = self._chain.ctypes.data, self.n_embd * 4
         out: list[int] = []
-        token, h = int(last), carry
+        rows: list[Row] = [(int(last), n_past, carry)]
         try:
             for i in range(n):
-                c.clear()
-                c.add(token, n_past + i, h, True)
-                c.decode()
-                row = c.logits()
+                if self.chained:  # head i re-decodes the whole prefix: its layer holds no draft position yet
+                    idx = self._decode(rows, i, n_past, True)
+                else:
+                    idx = self._decode(rows[-1:], 0, None, True)
+                row = c.logits(idx)
                 token = int(row.argmax()) if pick is None else pick(i, row)
                 out.append(token)
-                if i + 1 < n:
-                    h = c.nextn_row()
+                if i + 1 < n:  # the head's own row, copied: the next decode may overwrite its buffer
+                    ctypes.memmove(chain + (i + 1) * stride, c.nextn_row(idx), stride)
+                    # the shared-memory layout drafts every token at pos0 (upstream's driver, as gemma4's
+                    # assistant was trained): its attention sees the target's positions before it only
+                    rows.append((token, n_past if self.mem_shared else n_past + i + 1, chain + (i + 1) * stride))
         finally:
-            c.remove(n_past)
+            with self._native():
+                c.remove(n_past, self.seq)
         return out
 
     def remove(self, n: int) -> None:
         """Forget positions >= n."""
-        self._live().remove(n)
+        c = self._live()
+        with self._native():
+            c.remove(n, self.seq)
+
+    def pos_max(self) -> int:
+        """The highest position the context holds (-1: none)."""
+        c = self._live()
+        with self._native():
+            return c.pos_max(self.seq)
 
     def save_state(self) -> bytes:
-        """The MTP context's KV (every position it holds), as llama_state_seq bytes."""
-        return state_seq_get(self._live().ctx, 0)
+        """The MTP context's KV (every position it holds), as llama_state_seq bytes (none where the heads read
+        the target's KV: the target's own state holds it)."""
+        c = self._live()
+        if self.mem_shared:
+            return b""
+        with self._native():
+            return state_seq_get(c.ctx, self.seq)
 
     def load_state(self, data: bytes, n: int) -> None:
         """Replace the MTP context's KV with save_state's bytes of positions below n (some may be holes);
         RuntimeError when libllama refuses them or they reach past n, ValueError for bytes that are no state
         (the context is then empty either way)."""
         c = self._live()
-        try:
-            state_seq_set(c.ctx, data, 0)
-            if c.pos_max() + 1 > n:
-                raise RuntimeError(f"the MTP context holds positions up to {c.pos_max()} after restoring {n}")
-        except BaseException:
-            c.clear_memory()
-            raise
+        if self.mem_shared:
+            if data:
+                raise ValueError(f"heads that read the target's KV hold no state, got {len(data)} bytes")
+            return
+        with self._native():
+            try:
+                state_seq_set(c.ctx, data, self.seq)
+                if c.pos_max(self.seq) + 1 > n:
+                    raise RuntimeError(f"the MTP context holds positions up to {c.pos_max(self.seq)} after "
+                                       f"restoring {n}")
+            except BaseException:
+                c.clear_memory(self.seq)
+                raise
 
     def close(self) -> None:
-        c, self._ctx = self._ctx, None
-        if c is None:
+        context, self._ctx = self._ctx, None
+        if context is None:
             return
-        c.free()
-        self._shared.release()
+        if self._gather is None:
+            context.release()
+            return
+        with self._native():
+            if not self._gather.owner.closed:
+                context.ctx.remove(0, self.seq)
+            if context.release():
+                self._gather.mtp_context = None
 
 
 class MTPSource(DraftSource):
@@ -206,7 +359,7 @@ class MTPSource(DraftSource):
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
         self.heads = MTPHeads(target, heads=heads, n_threads=n_threads)
         self.target = target
-        self.max_draft = min(max_draft, target.n_batch - 1)
+        self.max_draft = min(max_draft, target.n_batch - 1, self.heads.n_heads if self.heads.chained else max_draft)
         self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
         self._n = 0  # positions the MTP context holds, or dropped while waiting (held with no state)
         self._tokens: list[int] = []  # committed since, positions _n.., waiting for the next draft
@@ -255,6 +408,7 @@ class MTPSource(DraftSource):
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
         self._catch_up()
+        n_draft = min(n_draft, self.max_draft)
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
         if params.greedy:
@@ -330,7 +484,7 @@ class MTPSource(DraftSource):
         head = self._stride + _COUNT.size
         count = _COUNT.unpack_from(data, self._stride)[0] if len(data) >= head else -1
         state = head + count * (4 + self._stride)
-        if count < 0 or count > n or len(data) <= state:
+        if count < 0 or count > n or len(data) < state or (len(data) == state and not self.heads.mem_shared):
             self.heads.remove(0)
             raise ValueError(f"not an MTP state of {n} positions ({len(data)} bytes)")
         self.heads.load_state(data[state:], n - count)

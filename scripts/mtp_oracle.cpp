@@ -5,7 +5,9 @@
 // drop the rejected positions. It prints what it drafted per cycle, so tests/test_mtp.py can hold
 // dflash_gguf.mtp.MTPSource to exactly the same tokens.
 //
-//   mtp_oracle MODEL PROMPT CYCLES [THREADS]
+//   mtp_oracle MODEL PROMPT CYCLES [THREADS [HEADS]]
+//     HEADS: the MTP heads as a model of their own (gemma4's assistant, whose KV is the target's), drafted
+//            from as llama-server drafts from a --model-draft of type draft-mtp
 //     PROMPT: comma-separated token ids (decoded as one batch; the first token after it is the argmax)
 //     CYCLES: comma-separated N:K, one per cycle: draft N tokens (0: a plain cycle), verify [last, drafts],
 //             commit the first K drafts (K = g: as many as the target's argmax agrees with), then the
@@ -54,6 +56,7 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const int n_threads = argc > 4 ? atoi(argv[4]) : 1;
+    const char * heads_path = argc > 5 ? argv[5] : nullptr;
     const int32_t n_ctx = 512, n_batch = 64, n_draft_max = 16;
 
     llama_tokens prompt;
@@ -85,6 +88,14 @@ int main(int argc, char ** argv) {
         return 1;
     }
     const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    llama_model * heads = model;
+    if (heads_path) {
+        heads = llama_model_load_from_file(heads_path, mparams);
+        if (!heads) {
+            fprintf(stderr, "cannot load %s\n", heads_path);
+            return 1;
+        }
+    }
 
     // the target context as dflash_gguf's Target makes it (flash attention on, one graph per batch), with
     // recurrent-state snapshots for the rollback a hybrid target needs; the MTP context as upstream makes it
@@ -103,7 +114,7 @@ int main(int argc, char ** argv) {
     dparams_ctx.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
     dparams_ctx.n_rs_seq = 0;
     dparams_ctx.ctx_other = ctx_tgt;
-    llama_context * ctx_dft = ctx_tgt ? llama_init_from_model(model, dparams_ctx) : nullptr;
+    llama_context * ctx_dft = ctx_tgt ? llama_init_from_model(heads, dparams_ctx) : nullptr;
     if (!ctx_tgt || !ctx_dft) {
         fprintf(stderr, "cannot create the target or the MTP context\n");
         return 1;
@@ -181,6 +192,9 @@ int main(int argc, char ** argv) {
     common_speculative_free(spec);
     llama_free(ctx_dft);
     llama_free(ctx_tgt);
+    if (heads != model) {
+        llama_model_free(heads);
+    }
     llama_model_free(model);
     return 0;
 }

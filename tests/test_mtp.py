@@ -40,17 +40,22 @@ def oracle(tmp_path_factory) -> Path:
     return out
 
 
-def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles) -> list[list[int]]:
+def upstream_drafts(oracle: Path, model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
+    """What upstream's driver drafts each cycle (heads: an MTP model of its own, as gemma4's assistant)."""
     spec = ",".join(f"{n}:{k}" for n, k in cycles)
-    out = subprocess.run([str(oracle), str(model), ",".join(map(str, prompt)), spec, "1"],
-                         capture_output=True, text=True, check=True).stdout
+    args = [str(oracle), str(model), ",".join(map(str, prompt)), spec, "1", *([str(heads)] if heads else [])]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     return [[int(t) for t in line.split()[1:]] for line in out.splitlines() if line.startswith("draft")]
 
 
-def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None) -> list[list[int]]:
-    """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it."""
+def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None, setup=None,
+               after=None) -> list[list[int]]:
+    """The same schedule as the oracle's, with MTPSource told each commit as the decode loop tells it
+    (setup(source), where given, first; after(target, committed, last) at the end)."""
     with Target.open(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=heads is None) as t:
         source = MTPSource(t, heads=heads, max_draft=16)
+        if setup is not None:
+            setup(source)
         try:
             seq: list[int] = list(prompt)
             t.decode(prompt, 0, logits="last")
@@ -73,6 +78,8 @@ def our_drafts(model: Path, prompt: list[int], cycles, heads: Path | None = None
                 seq += block[: k + 1]
                 source.observe(Commit(n_past, block[: k + 1], sequence=seq))
                 last = int(argmax[k])
+            if after is not None:
+                after(t, seq, last)
             return out
         finally:
             source.close()
@@ -118,6 +125,255 @@ def test_the_draft_comparison_sees_a_lost_carry(oracle, mtp_target):
         finally:
             source.close()
     assert got != want[0]
+
+
+# --- chained heads (step35) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step35(tmp_path_factory, embedded_target):
+    """Tiny random Step3p5 targets (attention only) by number of chained MTP heads: tests/mtp_fixtures.py."""
+    from mtp_fixtures import build_step35_target
+
+    directory = tmp_path_factory.mktemp("step35")
+    return {n: build_step35_target(directory, embedded_target, n_heads=n) for n in (1, 3)}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["varied", "repeats"])
+def test_chained_heads_draft_what_upstreams_driver_drafts(oracle, step35, prompt):
+    """Three chained heads: draft i is head i's (at most three a cycle, as upstream caps n_max), each head's
+    own layer holding the committed positions; carries and rollbacks as with one head."""
+    want = upstream_drafts(oracle, step35[3], prompt, CYCLES)
+    assert [len(d) for d in want] == [min(n, 3) for n, _ in CYCLES]
+    assert our_drafts(step35[3], prompt, CYCLES) == want
+
+
+def test_the_chained_comparison_sees_a_head_without_its_kv(oracle, step35):
+    """Not vacuous: heads 1 and 2 attending to no committed positions of their own draft other tokens."""
+    from dflash_gguf.mtp import MTPHeads
+
+    def first_head_only(source):
+        heads = source.heads
+
+        def process(tokens, start, rows):
+            heads.n_heads = 1
+            try:
+                MTPHeads.process(heads, tokens, start, rows)
+            finally:
+                heads.n_heads = 3
+        heads.process = process
+
+    prompt = PROMPTS[0]
+    want = upstream_drafts(oracle, step35[3], prompt, CYCLES)
+    got = our_drafts(step35[3], prompt, CYCLES, setup=first_head_only)
+    assert got[0][0] == want[0][0] and got[0][1:] != want[0][1:]  # head 0 keeps its KV, the others drafted blind
+
+
+@pytest.mark.parametrize("block", [5, None])
+def test_chained_heads_are_lossless_in_a_session(step35, block):
+    """Greedy with three chained heads is plain decoding (a block of 5 asks four drafts of three heads: they
+    draft three); sampled, their drafts carry the heads' own laws, as many rows as drafts."""
+    with Session(step35[3], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False) as s:
+        assert s.mtp and s._mtp.max_draft == 3
+        want = s.generate("Good morning!", max_tokens=32, speculative=False).tokens
+        s.reset()
+        r = s.generate("Good morning!", max_tokens=32, block_size=block)
+        assert r.tokens == want and r.stats.per_source[MTP_SOURCE].n_drafted > 0
+        s.reset()
+        r = s.generate("Good morning!", max_tokens=24, temperature=1.0, seed=3, block_size=5)
+        mtp = r.stats.per_source[MTP_SOURCE]
+        assert len(r.tokens) == 24 and mtp.n_drafted > 0 and mtp.n_drafted <= 3 * r.stats.cycles
+
+
+# --- the shared-memory layout (gemma4) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory, embedded_target):
+    """A tiny random Gemma 4 target and its random assistant (tests/mtp_fixtures.py)."""
+    from mtp_fixtures import build_gemma4_pair
+
+    return build_gemma4_pair(tmp_path_factory.mktemp("gemma4"), embedded_target)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["varied", "repeats"])
+def test_the_shared_memory_layout_drafts_what_upstreams_driver_drafts(oracle, gemma4, prompt):
+    """gemma4's assistant, a model of its own reading the target's KV: no catch-up pass, every draft token at
+    pos0 after the carry; the target's KV is left as a plain decode leaves it."""
+    target, assistant = gemma4
+    want = upstream_drafts(oracle, target, prompt, CYCLES, heads=assistant)
+    assert [len(d) for d in want] == [n for n, _ in CYCLES]
+
+    def target_untouched(t, committed, last):
+        t.decode([last], len(committed))
+        got = t.output_logits()[-1].copy()
+        with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as fresh:
+            fresh.decode(committed + [last], 0, logits="last")
+            alone = fresh.output_logits()[-1]
+            assert got.argmax() == alone.argmax() and np.abs(got - alone).max() < 1e-2
+
+    assert our_drafts(target, prompt, CYCLES, heads=assistant, after=target_untouched) == want
+
+
+def test_the_shared_memory_layouts_state_is_the_carry_alone(gemma4):
+    """Its heads hold no KV (the target's state does): a snapshot is the carry and the waiting rows, and a
+    restore drafts what the source would have drafted."""
+    target, assistant = gemma4
+    prompt = PROMPTS[0]
+    with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+        source = MTPSource(t, heads=assistant)
+        try:
+            assert source.heads.mem_shared and not source.heads.chained and source.heads.n_heads == 2
+            t.decode(prompt, 0)
+            source.observe(Commit(0, prompt, sequence=list(prompt)))
+            state = source.snapshot()
+            assert source.heads.save_state() == b"" and len(state) == 4 * 64 + 4 + (4 + 4 * 64) * len(prompt)
+            want = source.propose(7, len(prompt), 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+            source.truncate(0)
+            source.restore(state, len(prompt))
+            assert source.propose(7, len(prompt), 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == want
+            with pytest.raises(ValueError):
+                source.restore(state + b"\0" * 8, len(prompt))
+        finally:
+            source.close()
+
+
+def drive(target: Target, source: MTPSource, prompt: list[int], cycles: int = 6) -> tuple[list[list[int]], list[int]]:
+    """Greedy speculative cycles of three drafts by hand (prefill, propose, verify, roll back, observe):
+    what it drafted each cycle, and what it committed."""
+    seq = list(prompt)
+    target.decode(prompt, 0, logits="last")
+    source.observe(Commit(0, prompt, sequence=seq))
+    last, drafts = int(target.output_logits()[-1].argmax()), []
+    for _ in range(cycles):
+        n = len(seq)
+        d = source.propose(last, n, 3, SamplingParams(), np.random.default_rng(0)).tokens.tolist()
+        drafts.append(d)
+        target.decode([last] + d, n, logits=True)
+        argmax = target.output_logits().argmax(axis=1)
+        k = 0
+        while k < len(d) and argmax[k] == d[k]:
+            k += 1
+        target.remove(0, n + 1 + k)
+        seq += ([last] + d)[: k + 1]
+        source.observe(Commit(n, ([last] + d)[: k + 1], sequence=seq))
+        last = int(argmax[k])
+    return drafts, seq
+
+
+def test_the_shared_memory_layout_drafts_on_sequences_of_a_shared_context(gemma4):
+    """The assistant on sequences of a shared target context reads each sequence's own KV stream: each drafts
+    and commits what it does on a context of its own (the second sequence first, so ids do not line up)."""
+    from dflash_gguf.batching import SharedContext
+
+    target, assistant = gemma4
+    alone = []
+    for prompt in PROMPTS:
+        with Target.open(target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1) as t:
+            source = MTPSource(t, heads=assistant)
+            try:
+                alone.append(drive(t, source, prompt))
+            finally:
+                source.close()
+    owner = Target.open(target, n_ctx=2 * N_CTX, n_batch=N_BATCH, n_threads=1, n_seq_max=2, kv_unified=False)
+    context = SharedContext(owner)
+    sequences = [context.sequence() for _ in PROMPTS]
+    sources = [MTPSource(t, heads=assistant) for t in sequences]
+    try:
+        assert sources[0].heads._ctx is sources[1].heads._ctx and sources[1].heads.mem_shared
+        with pytest.raises(ValueError, match="the shared context's MTP heads are .*gemma4-assistant.gguf, not the"):
+            MTPSource(sequences[0])  # the target's own heads beside the assistant: one MTP context serves them all
+        for i in (1, 0):
+            assert drive(sequences[i], sources[i], PROMPTS[i]) == alone[i]
+        assert context.mtp_context is not None
+    finally:
+        for s in sources:
+            s.close()
+        for t in sequences:
+            t.close()
+    assert context.mtp_context is None and owner.closed
+
+
+@pytest.mark.parametrize("n_heads", [1, 3])
+def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_heads):
+    """Three Sessions, sequences of one target context (issue 37), the heads drafting every cycle (a fixed
+    block): their MTP decodes go out together (Stage.MTP), and each sequence drafts and replies exactly what
+    it drafts and replies alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_gguf.batching import Stage
+
+    prompts = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?"]
+    settings = dict(n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False)
+
+    def spy(session):
+        """The drafts its heads make, recorded as the real heads make them."""
+        heads, log = session._mtp.heads, []
+        real = heads.draft
+        heads.draft = lambda *args, **kw: log.append(real(*args, **kw)) or log[-1]
+        return log
+
+    def run(session, prompt):
+        r = session.generate(prompt, max_tokens=24, block_size=3)
+        return r.tokens, r.stats.per_source[MTP_SOURCE].n_drafted
+
+    expected = []
+    for p in prompts:  # each on a cold context: a reset one holds its cells in another order, which moves the
+        with Session(step35[n_heads], **settings) as solo:  # random heads' near-flat logits across ties
+            log = spy(solo)
+            expected.append((*run(solo, p), log))
+    first = Session(step35[n_heads], sequences=len(prompts), **settings)
+    sessions = [first] + [first.fork() for _ in prompts[1:]]
+    try:
+        context = first.target.shared
+        context.max_wait_s = 60.0  # batches wait for every busy sequence: no timeout race
+        assert all(s.mtp and s._mtp.heads.n_heads == n_heads for s in sessions)
+        logs = [spy(s) for s in sessions]
+        start = threading.Barrier(len(prompts))
+
+        def one(i):
+            start.wait()
+            return (*run(sessions[i], prompts[i]), logs[i])
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(one, range(len(prompts))))
+        assert got == expected
+        assert all(n_drafted > 0 for _, n_drafted, _ in got)
+        assert context.shared_passes[Stage.MTP] > 0
+    finally:
+        for s in sessions:
+            s.close()
+    assert context.mtp_context is None  # freed with its last sequence
+
+
+def test_the_prompt_cache_restores_the_heads_into_another_sequence(step35, tmp_path):
+    """One sequence's entry, MTP part included, restores into another sequence of the shared context (a
+    conversation resumed on another slot): the same drafts, cycle for cycle, and the heads left where the
+    miss left them (the same carry and waiting rows, and the same next draft from the restored KV)."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    cache = PromptCache(ram_bytes=1 << 26, directory=tmp_path)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3 + "Continue the story:"
+    with Session(step35[3], n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False, sequences=2,
+                 prompt_cache=cache) as first:
+        miss = list(first.stream(prompt, max_tokens=16, block_size=3))
+        assert first.last_stats.prompt_cache.stored and first.last_stats.prompt_cache.tier is None
+        with first.fork() as second:
+            assert second.target.seq_id != first.target.seq_id
+            hit = list(second.stream(prompt, max_tokens=16, block_size=3))
+            stats = second.last_stats
+            states, nexts = [], []
+            for source in (first._mtp, second._mtp):
+                state = source.snapshot()  # the KV's bytes name the stream: compared by what they draft
+                states.append(state[: 4 * 64 + 4 + (4 + 4 * 64) * int.from_bytes(state[256:260], "little")])
+                nexts.append(source.propose(miss[-1].tokens[-1], source.cached(), 3, SamplingParams(),
+                                            np.random.default_rng(0)).tokens.tolist())
+    assert stats.prompt_cache.tier == "ram" and stats.n_cached_tokens > 0
+    assert [(s.tokens, s.source, s.n_drafted, s.n_accepted) for s in hit] == \
+        [(s.tokens, s.source, s.n_drafted, s.n_accepted) for s in miss]
+    assert stats.per_source[MTP_SOURCE].n_drafted > 0
+    assert states[0] == states[1] and nexts[0] == nexts[1] and len(nexts[0]) == 3
 
 
 # --- the Session ----------------------------------------------------------------------------------
