@@ -27,7 +27,7 @@ from .data import FeatureCache
 from .errors import TrainError
 from .interrupts import sigterm_as_interrupt
 from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig, checkpoint_to_state
-from .pipeline import RunData
+from .run_data import RunData
 from .recipe import (
     IGNORE, block_labels, default_gamma, distill_loss, dspark_loss, expected_acceptance, label_shift, selector_loss,
     weighted_loss,
