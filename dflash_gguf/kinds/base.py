@@ -129,7 +129,6 @@ def base_training() -> Training:
     return Training()
 
 
-
 @dataclass(frozen=True, eq=False)
 class DrafterKind:
     """Everything that differs per drafter kind, for the converter, the GGUF checks, the runtime and the trainer.
@@ -214,8 +213,8 @@ def kind_of_architecture(architecture: str) -> DrafterKind | None:
 
 
 def kind_of_file(names: Iterable[str]) -> DrafterKind:
-    """A drafter GGUF's kind from its tensor names and metadata keys, as libllama decides it: the kind whose
-    marker it holds, else the base kind. KindError for a file holding two kinds' markers: libllama would
+    """A drafter GGUF's kind from its tensor names and metadata keys: the kind whose marker it holds (a tensor,
+    as libllama decides it; a key, for a kind whose graph is the base kind's), else the base kind. KindError for a file holding two kinds' markers: libllama would
     build both heads into one graph, which no converter writes and no reader of the draft handles."""
     present = set(names)
     marked = [k for k in _REGISTRY.values() if k.marker is not None and k.marker in present]
