@@ -79,6 +79,14 @@ class Head(ABC):
     def rows(self, logits: np.ndarray | None, nextn: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         """(what Drafter.draft returns, the slots' confidences or None) from the prediction slots' rows."""
 
+    def condition(self, row: np.ndarray, graph_prev: int, prev: int) -> np.ndarray:
+        """A slot's row (as `rows()` gave it) as if the token before the slot were `prev`, where the graph
+        computed it after `graph_prev` (the slot before's argmax; the anchor for the first): what a draft, or
+        a tree's node, below a token other than the graph's draws from. A kind whose slots' rows do not depend
+        on the token before (DFlash's logits; DFlash2's lattice, which holds every predecessor's scores) keeps
+        the row."""
+        return row
+
     @abstractmethod
     def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,
                 rng: np.random.Generator) -> Proposal:

@@ -115,6 +115,10 @@ class DSparkHead(Head):
         # the Markov chain needs the untransformed rows; propose() applies the transforms
         return logits, None if nextn is None else nextn[:, 0].copy()
 
+    def condition(self, row: np.ndarray, graph_prev: int, prev: int) -> np.ndarray:
+        """The Markov bias of `graph_prev` moved to `prev`'s (a copy; the row itself if they are equal)."""
+        return self.markov.correct(row, graph_prev, prev)
+
     def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,
                 rng: np.random.Generator) -> Proposal:
         """The graph chained each slot's Markov bias on the previous slot's argmax (the anchor first).
@@ -134,7 +138,7 @@ class DSparkHead(Head):
         out_conf = None if conf is None else np.empty(n, dtype=np.float64)
         graph_prev = prev = int(last_token)
         for i in range(n):
-            row = head.correct(rows[i], graph_prev, prev)
+            row = self.condition(rows[i], graph_prev, prev)
             if out_conf is not None:
                 out_conf[i] = head.correct_confidence(conf[i], graph_prev, prev)
             q[i] = probabilities(self.transforms(row[None]), params)[0]
