@@ -6,16 +6,17 @@ opened: the config, the architecture, the set of tensors and every tensor's shap
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dflash_gguf.convert.config_schema import check_config, check_dspark_layout, load_config_json
+from dflash_gguf.convert.config_schema import check_config, check_named, load_config_json
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import CheckpointTensor, check_regular_file, read_safetensors_index
-from dflash_gguf.kinds import DFLASH2, DSPARK, DrafterKind, architectures, kind_of_architecture
+from dflash_gguf.kinds import DrafterKind, KindError, architectures, kind_of_architecture
+from dflash_gguf.kinds.converting import draft_value
 from dflash_gguf.schema import DEFAULT_BLOCK_SIZE, HF_IGNORED, HF_TO_GGUF, Tensors, gguf_tensor_name
 
 REFUSED_ARCHITECTURES = {
@@ -50,16 +51,8 @@ class DraftConfig:
     block_size: int
     mask_token_id: int
     hparams: dict[str, Any]  # the whole config.json, for the optional keys
-    sample_from_anchor: bool | None = None  # DSpark: anchor-first block (slot 0 predicts) or bonus anchor
-    markov_rank: int | None = None  # DSpark: from config.json, else from markov_w1's shape (load_checkpoint)
-
-
-def draft_value(hparams: dict[str, Any], name: str, default: Any = None) -> Any:
-    """z-lab's lookup order: `dflash_config` first, then the top level (both occur in published checkpoints)."""
-    dflash_config = hparams.get("dflash_config") or {}
-    if name in dflash_config:
-        return dflash_config[name]
-    return hparams.get(name, default)
+    sample_from_anchor: bool | None = None  # a kind with a block-layout key: anchor-first (slot 0 predicts) or bonus anchor
+    kind_values: dict[str, Any] = field(default_factory=dict)  # what the kind's converter read (DSpark: markov_rank)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -107,10 +100,9 @@ def read_config(path: Path) -> DraftConfig:
         )
     arch = known[0]
     kind = kind_of_architecture(arch)
-    sample_from_anchor = markov_rank = None
-    if kind is DSPARK:
-        check_dspark_layout(hparams, path)  # the keys normalise_dspark reads, before it reads them
-        hparams, sample_from_anchor, markov_rank = normalise_dspark(hparams, path)
+    # the kind's own schema brought to the DFlash one (DSpark's checks the keys it reads, before it reads them)
+    hparams, sample_from_anchor, kind_values = kind.converter.read_config(
+        hparams, lambda names, values, prefix: check_named(values, path, kind, names, prefix))
     check_config(hparams, path, kind)  # every key's type and range, from one table (config_schema.SCHEMA)
 
     hidden = _int(hparams, "hidden_size", path)
@@ -169,30 +161,8 @@ def read_config(path: Path) -> DraftConfig:
         mask_token_id=mask_id,
         hparams=hparams,
         sample_from_anchor=sample_from_anchor,
-        markov_rank=markov_rank,
+        kind_values=kind_values,
     )
-
-
-def normalise_dspark(hparams: dict[str, Any], path: Path) -> tuple[dict[str, Any], bool, int | None]:
-    """DSpark's config schemas brought to DFlash's, as upstream's DSparkModel does: (hparams, sample_from_anchor, markov_rank).
-
-    The speculators export nests the transformer under `transformer_layer_config` and names target layers
-    `aux_hidden_state_layer_ids` (layer inputs, i.e. HF ids + 1); both forms default to the bonus-anchor
-    block (an EAGLE3-style 1+N layout), the DeepSpec / z-lab forms to the anchor-first block.
-    The keys read here were type- and range-checked by config_schema.check_dspark_layout.
-    """
-    nested = hparams.get("transformer_layer_config")
-    anchor = hparams.get("sample_from_anchor")
-    if anchor is None:  # a JSON null is an absent key, as everywhere in the schema
-        anchor = nested is None and hparams.get("aux_hidden_state_layer_ids") is None
-    hp = {**hparams, **(nested or {})}
-    if hp.get("dflash_config") is None:
-        aux = hp.get("aux_hidden_state_layer_ids")
-        if aux is not None:
-            hp["dflash_config"] = {"mask_token_id": hp.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux]}
-        else:
-            hp["dflash_config"] = {k: hp[k] for k in ("target_layer_ids", "mask_token_id") if hp.get(k) is not None}
-    return hp, anchor, draft_value(hp, "markov_rank")
 
 
 def writes_full_vocab_head(cfg: DraftConfig) -> bool:
@@ -223,29 +193,9 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         Tensors.FFN_UP: (ff, h),
         Tensors.FFN_DOWN: (h, ff),
     }
-    if cfg.kind is DFLASH2:
-        kernel = int(draft_value(cfg.hparams, "conv_kernel_size"))
-        groups = h // int(draft_value(cfg.hparams, "conv_group_size"))
-        rank = int(draft_value(cfg.hparams, "selector_rank"))
-        per_layer.update(
-            {
-                Tensors.ATTN_CONV_BASE: (2, kernel, h),
-                Tensors.ATTN_CONV_PROJ: (2 * kernel * groups, h),
-                Tensors.FFN_CONV_BASE: (2, kernel, h),
-                Tensors.FFN_CONV_PROJ: (2 * kernel * groups, h),
-            }
-        )
-        shapes.update(
-            {
-                Tensors.SELECTOR_PREV: (cfg.vocab_size, rank),
-                Tensors.SELECTOR_NEXT: (cfg.vocab_size, rank),
-                Tensors.SELECTOR_HIDDEN: (rank, h),
-            }
-        )
-    if cfg.kind is DSPARK:
-        rank = cfg.markov_rank or 0  # load_checkpoint fills it from markov_w1 when config.json does not say
-        shapes[Tensors.MARKOV_W1] = (cfg.vocab_size, rank)
-        shapes[Tensors.MARKOV_W2] = (cfg.draft_vocab_size or cfg.vocab_size, rank)
+    whole, own_per_layer = cfg.kind.converter.shapes(cfg)  # the kind's own tensors
+    shapes.update(whole)
+    per_layer.update(own_per_layer)
     if cfg.draft_vocab_size is not None:
         # reduced vocabulary: the draft rows' target ids (as offsets, upstream's convention) and their own head
         shapes[Tensors.D2T] = (cfg.draft_vocab_size,)
@@ -333,8 +283,10 @@ def load_checkpoint(src: str | Path) -> Checkpoint:
 
     if Tensors.OUTPUT in found and not writes_full_vocab_head(cfg):
         del found[Tensors.OUTPUT]  # as upstream: a full-vocabulary DSpark drafter's lm_head is not written
-    if cfg.kind is DSPARK:
-        cfg = _with_markov_rank(cfg, found, directory)
+    try:
+        cfg = replace(cfg, kind_values=cfg.kind.converter.complete(cfg, found, directory))  # DSpark: its Markov rank
+    except KindError as e:
+        raise ConversionError(str(e)) from None
     required = expected_shapes(cfg)
     for name, shape in required.items():
         tensor = found.get(name)
@@ -386,32 +338,16 @@ def _hf_name(gguf_name: str, num_layers: int) -> str:
     return gguf_name
 
 
-def _with_markov_rank(cfg: DraftConfig, found: dict[str, CheckpointTensor], directory: Path) -> DraftConfig:
-    """A DSpark config with its Markov rank: config.json's, else markov_w1's second dimension."""
-    if cfg.markov_rank is not None:
-        return cfg
-    w1 = found.get(Tensors.MARKOV_W1)
-    if w1 is None:
-        raise ConversionError(f"{directory}: missing tensor markov_head.markov_w1.weight (a {cfg.architecture} needs its Markov head)")
-    if len(w1.shape) != 2 or w1.shape[1] < 1:
-        raise ConversionError(f"{w1.file}: tensor {w1.name} has shape {list(w1.shape)}, expected [vocab_size, markov_rank]")
-    return replace(cfg, markov_rank=int(w1.shape[1]))
-
-
 def _optional_shape(cfg: DraftConfig, name: str, tensor: CheckpointTensor) -> tuple[int, ...] | None:
     """The shape an optional tensor (own embeddings, own full-vocabulary head, sinks, confidence head) must have;
     None if not allowed."""
     if name == Tensors.D2T:
         raise ConversionError(f"{tensor.file}: tensor {tensor.name} needs draft_vocab_size in config.json")
     optional = {Tensors.ATTN_SINKS.format(bid=b): (cfg.num_heads,) for b in range(cfg.num_layers)}
-    if cfg.kind is DSPARK:
-        optional[Tensors.CONF_PROJ] = (1, cfg.hidden_size + (cfg.markov_rank or 0))
-        optional[Tensors.CONF_PROJ_BIAS] = (1,)
-        if name == Tensors.CONF_PROJ and tensor.shape == (1, cfg.hidden_size):
-            raise ConversionError(
-                f"{tensor.file}: tensor {tensor.name} scores the hidden state alone (confidence_head_with_markov false); "
-                f"libllama's DSpark confidence head reads [hidden; markov_w1[prev]], shape [1, {optional[name][1]}]"
-            )
+    try:
+        optional.update(cfg.kind.converter.optional_shapes(cfg, name, tensor.shape))  # DSpark: its confidence head
+    except KindError as e:
+        raise ConversionError(f"{tensor.file}: tensor {tensor.name} {e}") from None
     if name in optional:
         if tensor.shape != optional[name]:
             raise ConversionError(

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from dflash_gguf.convert.errors import ConversionError
 from dflash_gguf.convert.safetensors_reader import _Duplicate, _no_constant, _no_duplicates, read_regular_text
-from dflash_gguf.kinds import DSPARK, MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind
+from dflash_gguf.kinds import MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind
 from dflash_gguf.kinds import ConfigKey as Key
 
 U32_MAX = 2**32 - 1
@@ -246,20 +246,11 @@ def _mask(v: dict[str, Any]) -> str | None:
 
 RULES: tuple[Callable[[dict[str, Any]], str | None], ...] = (_heads, _rope_dims, _layers, _window, _mask)
 
-DSPARK_LAYOUT = ("dflash_config", "sample_from_anchor", "aux_hidden_state_layer_ids", "markov_head_type", "markov_rank")
-"""The keys checkpoint.normalise_dspark reads, in the nested transformer and at the top level."""
-
-
-def check_dspark_layout(hparams: dict[str, Any], path: Path) -> None:
-    """The DSpark keys, checked before normalisation reads them: `transformer_layer_config` and what it nests
-    (prefixed in messages), then the merged view normalisation builds."""
-    by_name = {k.name: k for k in _rows(DSPARK)}
-    rows = [by_name[name] for name in DSPARK_LAYOUT]
-    check_keys(hparams, path, [by_name["transformer_layer_config"], *rows])
-    nested = hparams.get("transformer_layer_config")
-    if nested is not None:
-        check_keys(nested, path, rows, prefix="transformer_layer_config.")
-        check_keys({**hparams, **nested}, path, rows)
+def check_named(hparams: dict[str, Any], path: Path, kind: DrafterKind, names: Sequence[str], prefix: str = "") -> None:
+    """Type and range of the rows of these names (`kind`'s and every kind's) that are present in `hparams`:
+    what a kind's converter checks before it reads its own schema (DSpark's nested transformer)."""
+    by_name = {k.name: k for k in _rows(kind)}
+    check_keys(hparams, path, [by_name[name] for name in names], prefix=prefix)
 
 
 def check_keys(hparams: dict[str, Any], path: Path, keys: Sequence[Key], prefix: str = "") -> None:
@@ -283,7 +274,7 @@ def _apply_rules(values: dict[str, Any], path: Path, kind: DrafterKind | None) -
 def check_config(hparams: dict[str, Any], path: Path, kind: DrafterKind | None = None) -> dict[str, Any]:
     """Check every row of SCHEMA (and RULES) against a parsed config.json; returns name -> value (defaults filled).
 
-    `kind` (e.g. kinds.DFLASH2) adds its own rows and rules; None checks the rows every kind reads.
+    `kind` adds its own rows and rules; None checks the rows every kind reads.
     """
     values: dict[str, Any] = {}
     for key in _rows(kind):

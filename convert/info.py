@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_gguf.convert.errors import ConversionError
-from dflash_gguf.kinds import DSPARK, KindError, kind_named, kind_of_tensors
+from dflash_gguf.kinds import KindError, kind_named, kind_of_file
 from dflash_gguf.schema import ARCH, Keys, Tensors, gguf_layer_to_hf
 from dflash_gguf.target_gguf import field_value, open_gguf
 
@@ -20,7 +20,7 @@ class DrafterInfo:
 
     path: Path
     architecture: str
-    kind: str  # the DrafterKind's name, decided by kinds.kind_of_tensors
+    kind: str  # the DrafterKind's name, decided by kinds.kind_of_file
     name: str | None
     n_layer: int
     n_embd: int
@@ -56,7 +56,7 @@ def drafter_info(path: str | Path) -> DrafterInfo:
         raise ConversionError(f"{path}: not a DFlash drafter (general.architecture is {arch!r}, expected {ARCH!r})")
     names = {t.name for t in reader.tensors}
     try:
-        kind = kind_of_tensors(names)
+        kind = kind_of_file([*names, *reader.fields])
     except KindError as e:
         raise ConversionError(f"{path}: {e}") from None
     tokens = field_value(reader, "tokenizer.ggml.tokens")
@@ -97,17 +97,6 @@ def _anchor(reader, key: str) -> bool:
     return True if value is None else bool(value)  # libllama's default when the key is absent
 
 
-def _dspark_rows(info: DrafterInfo) -> list[tuple[str, str]]:
-    if info.kind != DSPARK.name:
-        return []
-    layout = "anchor-first (a block of B drafts B tokens)" if info.sample_from_anchor else "bonus anchor (B - 1 drafts)"
-    return [
-        ("markov rank", str(info.markov_rank)),
-        ("confidence head", "yes" if info.has_confidence_head else "no"),
-        ("block layout", layout),
-    ]
-
-
 def format_info(info: DrafterInfo) -> str:
     """Aligned `key: value` lines."""
     types = ", ".join(f"{name} x{count}" for name, count in info.tensor_types.items())
@@ -122,7 +111,7 @@ def format_info(info: DrafterInfo) -> str:
         ("name", info.name or "-"),
         ("layers", f"{info.n_layer} x {info.n_embd} hidden"),
         ("block size", str(info.block_size) if info.block_size is not None else "not set (llama.cpp assumes 16)"),
-        *_dspark_rows(info),
+        *kind_named(info.kind).converter.info_rows(info),
         ("target layers", f"{info.target_layers} (HF target_layer_ids {info.hf_target_layer_ids})"),
         ("mask token id", str(info.mask_token_id) if info.mask_token_id is not None else "-"),
         ("tokenizer", f"{info.n_vocab} tokens" if info.has_tokenizer else f"none ({info.n_vocab} token ids)"),

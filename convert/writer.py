@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-from dflash_gguf.convert.checkpoint import SHARD_INDEX, Checkpoint, DraftConfig, d2t_target_ids, draft_value
+from dflash_gguf.convert.checkpoint import SHARD_INDEX, Checkpoint, DraftConfig, d2t_target_ids
 from dflash_gguf.convert.config_schema import rotary_fraction
 from dflash_gguf.convert.errors import ConversionError
-from dflash_gguf.kinds import DFLASH2, DSPARK
+from dflash_gguf.kinds.converting import draft_value
 from dflash_gguf.schema import ARCH, Keys, Tensors, hf_layer_to_gguf
 from dflash_gguf.target_gguf import TargetInfo
 
@@ -102,11 +102,8 @@ def _add_metadata(
     if (value_scale := draft_value(hp, "attention_value_scale")) is not None:
         w.add_float32(Keys.VALUE_SCALE, float(value_scale))
     w.add_uint32(Keys.BLOCK_SIZE, cfg.block_size)
-    if cfg.kind is DFLASH2:
-        w.add_uint32(Keys.CONV_KERNEL_SIZE, int(draft_value(hp, "conv_kernel_size")))
-        w.add_uint32(Keys.CONV_GROUP_SIZE, int(draft_value(hp, "conv_group_size")))
-        w.add_uint32(Keys.SELECTOR_RANK, int(draft_value(hp, "selector_rank")))
-        w.add_uint32(Keys.SELECTOR_TOP_K, int(draft_value(hp, "selector_top_k")))
+    for key, value, vtype in cfg.kind.converter.metadata(cfg, set(ckpt.tensors)):  # the kind's own keys
+        w.add_key_value(key, value, vtype)
     if (multiplier := draft_value(hp, "output_multiplier")) is not None:
         w.add_float32(Keys.LOGIT_SCALE, float(multiplier))
     if (softcap := draft_value(hp, "final_logit_softcapping")) is not None and float(softcap) > 0:
@@ -127,9 +124,6 @@ def _add_metadata(
         causal = dflash_config.get("causal")
     if causal is not None:
         w.add_bool(Keys.CAUSAL, bool(causal))
-    if cfg.kind is DSPARK:
-        w.add_bool(Keys.SAMPLE_FROM_ANCHOR, bool(cfg.sample_from_anchor))
-        w.add_bool(Keys.HAS_CONFIDENCE_HEAD, Tensors.CONF_PROJ in ckpt.tensors)
 
     if target is None:
         w.add_string(Keys.TOKENIZER_MODEL, NO_VOCAB)

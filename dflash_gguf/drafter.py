@@ -12,7 +12,6 @@ import ctypes
 import os
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,8 @@ from llama_cpp import llama_cpp as capi
 from . import drafter_gguf, llama_ext
 from .backends import Placement, placement
 from .batching import Request, SequenceTarget, SharedContext, Stage, settle_outputs
-from .confidence import MarkovHead, load_markov_head
-from .sampling import SamplingParams, probabilities, sample_token
-from .kinds import DFLASH2, DSPARK
+from .kinds.head import HeadSource, Proposal
+from .sampling import SamplingParams
 from .schema import ARCH, Keys
 from .target import (
     ClosedError, NativeResource, SharedModel, Target, check_gguf_file, check_kv_types, describe_context, describe_model,
@@ -34,25 +32,6 @@ from .target import (
 
 class PairingError(ValueError):
     """The drafter was not made for this target (or is not a drafter at all)."""
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Drafted tokens for block slots 1..n and the distribution each was drawn from.
-
-    q is None for greedy drafts; dense (n, V) for DFlash; for DFlash2 sparse: q (n, k)
-    over the candidate ids q_ids (n, k), as acceptance.accept_sampled takes it.
-    """
-
-    tokens: np.ndarray
-    q: np.ndarray | None = None
-    q_ids: np.ndarray | None = None
-    confidences: np.ndarray | None = None  # predicted P(accepted) per slot, where the drafter has a head for it
-
-
-def _meta_float(model: capi.llama_model_p, key: str) -> float:
-    value = meta_str(model, key)
-    return float(value) if value else 0.0
 
 
 def check_pairing(model: capi.llama_model_p, path: Path, target: Target) -> None:
@@ -164,25 +143,18 @@ class Drafter(NativeResource):
             raise PairingError(f"{self.path}: block size {self.block_size} leaves no room for a draft")
         self.causal = meta_str(model, Keys.CAUSAL) == "true"
         self.selector_top_k = int(llama_ext.model_dflash_selector_top_k(model))
-        self.is_dflash2 = file.kind is DFLASH2
-        self.is_dspark = file.kind is DSPARK
         self.n_embd = capi.llama_model_n_embd(model)
-        # DSpark: a Markov head (libllama builds it when markov_w1 is present); its weights on the host too,
-        # to re-condition sampled drafts on the token drawn rather than the graph's argmax
-        self.markov: MarkovHead | None = load_markov_head(self.path, self.n_embd) if self.is_dspark else None
-        self.has_confidence_head = self.is_dspark and meta_str(model, Keys.HAS_CONFIDENCE_HEAD) != "false" and (
-            self.markov.conf_markov is not None
-        )
+        self.n_vocab = target.n_vocab
+        # what the host computes over the block's output rows: its kind's head (kinds/<kind>/head.py)
+        self.head = file.kind.head(HeadSource(self.path, self.n_embd, self.n_vocab, lambda key: meta_str(model, key)))
+        self.has_confidence_head = self.head.confidences
         # anchor-first (DSpark default): slot 0 already predicts, so a block of B drafts B tokens;
         # the bonus-anchor layout (and DFlash) spend slot 0 on the last committed token
         self.sample_from_anchor = file.anchor_first
         self._lead = file.lead
         self.kind = file.kind.name  # source name in Steps
         self.max_draft = file.max_draft
-        self.last_confidences: np.ndarray | None = None  # the last draft's per-slot confidences (DSpark head)
-        self.n_vocab = target.n_vocab
-        self._logit_scale = _meta_float(model, Keys.LOGIT_SCALE)
-        self._softcap = _meta_float(model, Keys.FINAL_LOGIT_SOFTCAPPING)
+        self.last_confidences: np.ndarray | None = None  # the last draft's per-slot confidences, where its head has them
         mask = capi.llama_vocab_mask(capi.llama_model_get_vocab(model))
         if mask < 0:
             mask = int(meta_str(model, Keys.MASK_TOKEN_ID) or -1)
@@ -219,13 +191,13 @@ class Drafter(NativeResource):
                 type_v=self.type_v,
             )
             capi.llama_set_causal_attn(self._ctx, self.causal)
-            if self.is_dflash2 or self.has_confidence_head:
-                # the selector lattice / DSpark's confidences come back through the unmasked nextn rows, one per block token
+            if self.head.nextn:
+                # the head's rows (DFlash2's lattice, DSpark's confidences) come back through the unmasked nextn rows
                 llama_ext.set_embeddings_nextn(self._ctx, True, False)
             self._batch = capi.llama_batch_ext_init(self._ctx)
             self._context = None
             if self._gather is not None:
-                self._context = SharedDraftContext(self._ctx, self._batch, self.mask_token_id, self.is_dflash2)
+                self._context = SharedDraftContext(self._ctx, self._batch, self.mask_token_id, self.head.logits)
                 self._gather.drafter_context = self._context
                 self._gather.serve(Stage.INJECT, self._context.inject, self._context.joins_inject)
                 self._gather.serve(Stage.DRAFT, self._context.draft, self._context.joins_draft)
@@ -275,10 +247,10 @@ class Drafter(NativeResource):
     def draft(self, last_token: int, pos: int, n_draft: int) -> np.ndarray:
         """One non-causal pass over [last, mask x n_draft] at positions pos..; the noise K/V is dropped after.
 
-        Returns a view valid until the next drafter call: DFlash -> logits (n_draft, V) of slots 1..n_draft;
-        DFlash2 -> selector lattice rows (n_draft, n_embd) of those slots; DSpark -> the Markov-biased logits
-        of its n_draft prediction slots (anchor-first: [last, mask x (n_draft - 1)], slots 0..n_draft-1;
-        bonus anchor: as DFlash), with `last_confidences` set from its confidence head (else None).
+        Returns what the kind's head makes of the n_draft prediction slots' rows (anchor-first:
+        [last, mask x (n_draft - 1)], slots 0..n_draft-1; else slots 1..n_draft), a view valid until the next
+        drafter call: DFlash -> logits (n_draft, V); DFlash2 -> selector lattice rows (n_draft, n_embd);
+        DSpark -> the Markov-biased logits, with `last_confidences` set from its confidence head (else None).
         """
         self._check_open()
         lead = self._lead
@@ -296,96 +268,28 @@ class Drafter(NativeResource):
         else:
             row = out = 0
             capi.llama_batch_ext_clear(self._batch)
-            _add_block(self._batch, 0, last_token, pos, n_block, self.mask_token_id, self.is_dflash2, self._pos)
+            _add_block(self._batch, 0, last_token, pos, n_block, self.mask_token_id, self.head.logits, self._pos)
             try:
                 self._process("draft a block")
             finally:
                 capi.llama_memory_seq_rm(self._mem, 0, pos, -1)
-        if self.is_dflash2:
+        logits = nextn = None
+        if self.head.logits:
+            logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(out + n_block, self.n_vocab))[out + lead :]
+        if self.head.nextn:
             ptr = llama_ext.get_embeddings_nextn(self._ctx)
             if not ptr:
-                raise RuntimeError("DFlash2 selector produced no lattice")
-            return np.ctypeslib.as_array(ptr, shape=(row + n_draft + 1, self.n_embd))[row + 1 :]
-        logits = np.ctypeslib.as_array(capi.llama_get_logits(self._ctx), shape=(out + n_block, self.n_vocab))[out + lead :]
-        if self.has_confidence_head:
-            ptr = llama_ext.get_embeddings_nextn(self._ctx)
-            if not ptr:
-                raise RuntimeError("DSpark confidence head produced no output")
-            # each confidence is broadcast across an n_embd-wide row (dflash.cpp reuses the nextn output)
-            self.last_confidences = np.ctypeslib.as_array(ptr, shape=(row + n_block, self.n_embd))[row + lead :, 0].copy()
-        if self.is_dspark:
-            return logits  # the Markov chain needs the untransformed rows; propose() applies the transforms
-        return self._output_transforms(logits)
-
-    def _output_transforms(self, logits: np.ndarray) -> np.ndarray:
-        """DFlash1's graph leaves the z-lab output_multiplier and softcap to the reader (dflash.cpp)."""
-        if self._logit_scale:
-            logits = logits * self._logit_scale
-        if self._softcap > 0:
-            logits = np.tanh(logits / self._softcap) * self._softcap
-        return logits
+                raise RuntimeError(f"the {self.file.kind.label} drafter's graph produced no nextn rows")
+            nextn = np.ctypeslib.as_array(ptr, shape=(row + n_block, self.n_embd))[row + lead :]
+        rows, self.last_confidences = self.head.rows(logits, nextn)
+        return rows
 
     def propose(
         self, last_token: int, pos: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
         """Draft n_draft tokens after last_token: argmax when greedy, else sampled with the q it returns."""
-        out = self.draft(last_token, pos, n_draft)
-        if self.is_dflash2:
-            return self._walk_lattice(out, params, rng)
-        if self.is_dspark:
-            return self._walk_markov(out, last_token, params, rng)
-        if params.greedy:
-            return Proposal(tokens=out.argmax(axis=1))
-        q = probabilities(out, params)
-        return Proposal(tokens=np.array([sample_token(row, rng) for row in q]), q=q)
-
-    def _walk_markov(
-        self, rows: np.ndarray, last_token: int, params: SamplingParams, rng: np.random.Generator
-    ) -> Proposal:
-        """DSpark: the graph chained each slot's Markov bias on the previous slot's argmax (the anchor first).
-
-        Greedy drafts are that chain. A sampled draft re-conditions each slot on the token actually drawn
-        before it (DeepSpec's semantics), and the row it is then drawn from is the q it reports, so rejection
-        sampling sees exactly the proposal used. Confidences are rescored the same way.
-        """
-        conf = self.last_confidences
-        if params.greedy:
-            tokens = rows.argmax(axis=1)
-            return Proposal(tokens=tokens, confidences=None if conf is None else conf.copy())
-        head = self.markov
-        n = rows.shape[0]
-        tokens = np.empty(n, dtype=np.int64)
-        q = np.empty((n, self.n_vocab), dtype=np.float64)
-        confidences = None if conf is None else np.empty(n, dtype=np.float64)
-        graph_prev = prev = int(last_token)
-        for i in range(n):
-            row = head.correct(rows[i], graph_prev, prev)
-            if confidences is not None:
-                confidences[i] = head.correct_confidence(conf[i], graph_prev, prev)
-            q[i] = probabilities(self._output_transforms(row[None]), params)[0]
-            tokens[i] = sample_token(q[i], rng)
-            graph_prev, prev = int(rows[i].argmax()), int(tokens[i])
-        return Proposal(tokens=tokens, q=q, confidences=confidences)
-
-    def _walk_lattice(self, lattice: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Proposal:
-        """DFlash2: pick one candidate per slot given the previous pick, as upstream decodes the lattice."""
-        k = self.selector_top_k
-        n = lattice.shape[0]
-        ids = lattice[:, :k].astype(np.int64)
-        tokens = np.empty(n, dtype=np.int64)
-        q = None if params.greedy else np.empty((n, k), dtype=np.float64)
-        prev = 0
-        for i in range(n):
-            scores = lattice[i, k + prev * k : k + (prev + 1) * k].astype(np.float64)
-            if q is None:
-                prev = int(scores.argmax())
-            else:
-                z = scores / params.temperature
-                p = np.exp(z - z.max())
-                q[i] = p / p.sum()
-                prev = sample_token(q[i], rng)
-            tokens[i] = ids[i, prev]
-        return Proposal(tokens=tokens, q=q, q_ids=None if q is None else ids)
+        rows = self.draft(last_token, pos, n_draft)
+        return self.head.propose(rows, self.last_confidences, last_token, params, rng)
 
     # -- cache management ------------------------------------------------------------------
     def _native(self) -> Any:
@@ -458,25 +362,25 @@ class Drafter(NativeResource):
             self._shared.release()
 
 
-def _add_block(batch: Any, seq: int, last_token: int, pos: int, n_block: int, mask_token: int, lattice: bool,
+def _add_block(batch: Any, seq: int, last_token: int, pos: int, n_block: int, mask_token: int, logits: bool,
                pos_buf: Any) -> None:
     """[last, mask x (n_block - 1)] of one sequence at positions pos.. into an ext batch; logits for every slot
-    (DFlash2 reads its lattice from the nextn rows instead)."""
+    where the head reads them (DFlash2's reads only its lattice, from the nextn rows)."""
     for i in range(n_block):
         idx = capi.llama_batch_ext_add_token(batch, seq, last_token if i == 0 else mask_token)
         if idx < 0:
             raise RuntimeError(f"could not add block slot {i} to the drafter batch ({idx})")
         pos_buf[0] = pos_buf[1] = pos_buf[2] = pos + i
         capi.llama_batch_ext_set_pos(batch, idx, pos_buf)
-        capi.llama_batch_ext_set_output_logits(batch, idx, not lattice)
+        capi.llama_batch_ext_set_output_logits(batch, idx, logits)
 
 
 class SharedDraftContext:
     """One drafter context for every sequence of a shared target context (issue 37): the runners of the
     gather's DRAFT and INJECT stages, which put every sequence's block, or feature rows, in one pass."""
 
-    def __init__(self, ctx: Any, batch: Any, mask_token: int, lattice: bool) -> None:
-        self.ctx, self.batch, self.mask_token, self.lattice = ctx, batch, mask_token, lattice
+    def __init__(self, ctx: Any, batch: Any, mask_token: int, logits: bool) -> None:
+        self.ctx, self.batch, self.mask_token, self.logits = ctx, batch, mask_token, logits
         self.mem = capi.llama_get_memory(ctx)
         self.n_ubatch = capi.llama_n_ubatch(ctx)
         self.users = 1
@@ -495,7 +399,7 @@ class SharedDraftContext:
         row = 0
         for r in requests:
             last, pos = r.payload
-            _add_block(self.batch, r.seq, last, pos, r.n, self.mask_token, self.lattice, self._pos)
+            _add_block(self.batch, r.seq, last, pos, r.n, self.mask_token, self.logits, self._pos)
             r.row = r.out = row  # every slot has an output row (logits, or the nextn row of a lattice)
             row += r.n
         try:

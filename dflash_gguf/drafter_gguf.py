@@ -24,7 +24,7 @@ scattered onto one target token), wrong-typed keys the Python side parses from t
 The checks are tables: `KEYS` (metadata key -> GGUF type, range, whether required), `TENSORS`
 (tensor name -> GGUF shape and storage types) and `RULES` (checks relating several values), for what
 every drafter has; each kind (`kinds.DrafterKind`) brings its own rows, and which kind a file is,
-`kinds.kind_of_tensors` decides once (`read_drafter`, `check_drafter_gguf`).
+`kinds.kind_of_file` decides once (`read_drafter`, `check_drafter_gguf`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
-from .kinds import MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind, Hparams, KindError, MetaKey, TensorSpec, kind_of_tensors
+# the registry's own module: kinds/__init__ registers the built-in kinds, whose DSpark head reads a GGUF here
+from .kinds.base import MAX_BLOCK_SIZE, MAX_LAYERS, DrafterKind, Hparams, KindError, MetaKey, TensorSpec, kind_of_file
 from .schema import ARCH, DEFAULT_BLOCK_SIZE, Keys, Tensors
 
 V = gguf.GGUFValueType
@@ -601,9 +602,9 @@ class DrafterFile:
 
 
 def _kind(header: GGUFHeader) -> DrafterKind:
-    """The one decision of a `dflash` GGUF's kind: by its tensors, `kinds.kind_of_tensors`."""
+    """The one decision of a `dflash` GGUF's kind: by its tensors and keys, `kinds.kind_of_file`."""
     try:
-        return kind_of_tensors(header.tensors)
+        return kind_of_file([*header.tensors, *header.fields])
     except KindError as e:
         raise DrafterGGUFError(f"{header.path}: {e}") from None
 

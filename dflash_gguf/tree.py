@@ -505,6 +505,6 @@ def tree_unusable(target: "Target", memory: "TargetMemory", drafter: "Drafter") 
                 "linear blocks instead")
     if not target.kv_unified:
         return "the target's KV cache is not unified: a node shared by several paths needs one"
-    if drafter.is_dflash2 or drafter.is_dspark:
+    if not drafter.head.trees:
         return f"{drafter.kind} drafts are not shaped into trees (DFlash drafters only)"
     return None

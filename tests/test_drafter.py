@@ -57,7 +57,7 @@ def _tied_head(embeddings):
 def test_dflash_logits_match_the_reference(target, embeddings, dflash_gguf_path, reference_checkpoint):
     ref = DFlashDraftModel.from_pretrained(reference_checkpoint, torch_dtype=torch.float32).eval()
     with Drafter(dflash_gguf_path, target) as drafter:
-        assert drafter.mask_token_id == ref.mask_token_id and not drafter.is_dflash2
+        assert drafter.mask_token_id == ref.mask_token_id and drafter.kind != "dflash2"
         assert drafter.layers == [i + 1 for i in ref.target_layer_ids]
         hidden, last, n = _reference_block(ref, target, drafter, embeddings)
         with torch.no_grad():
@@ -74,7 +74,7 @@ def test_dflash_logits_match_the_reference(target, embeddings, dflash_gguf_path,
 def test_dflash2_selector_matches_the_reference(target, embeddings, dflash2_gguf_path, reference_checkpoint_dflash2):
     ref = DFlash2DraftModel.from_pretrained(reference_checkpoint_dflash2, torch_dtype=torch.float32).eval()
     with Drafter(dflash2_gguf_path, target) as drafter:
-        assert drafter.is_dflash2 and drafter.selector_top_k == ref.candidate_selector.top_k
+        assert drafter.kind == "dflash2" and drafter.selector_top_k == ref.candidate_selector.top_k
         hidden, last, n = _reference_block(ref, target, drafter, embeddings)
         head = _tied_head(embeddings)
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """A drafter kind is added by registering one (issue 21, item 3), with no edit outside this file.
 
 `TOY` below is DFlash plus a tensor and a key of its own, with DSpark's anchor-first block layout.
-Registered, it is what the one parse of a drafter file (`kinds.kind_of_tensors`, through
+Registered, it is what the one parse of a drafter file (`kinds.kind_of_file`, through
 `drafter_gguf.read_drafter` / `check_drafter_gguf`, `target_gguf.drafter_verify_tokens` and
 `dflash-convert --info`) makes of a real converted drafter given its marker tensor; its own GGUF rows
 and rules are checked like the built-in kinds'; the converter maps its config.json architecture to it

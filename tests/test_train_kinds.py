@@ -16,10 +16,10 @@ import pytest
 import torch
 from dflash.model import DFlash2DraftModel
 
+from dflash_gguf.kinds.dflash2.training import selector_loss
+from dflash_gguf.kinds.dspark.training import dspark_loss
 from dflash_gguf.train.model import Drafter, DrafterConfig
-from dflash_gguf.train.recipe import (
-    IGNORE, block_inputs, block_labels, distill_loss, dspark_loss, selector_loss, slot_weights, soft_cross_entropy,
-)
+from dflash_gguf.train.recipe import IGNORE, block_inputs, block_labels, distill_loss, slot_weights, soft_cross_entropy
 
 VOCAB, HIDDEN, N_FEAT, BLOCK = 120, 64, 3, 6
 

@@ -261,7 +261,7 @@ def plain_generation(
     """
     from dflash_gguf.session import Session
 
-    from .runner import chat_steps
+    from .chat import chat_steps
     from .suite import load_suite
 
     conversations = [[{"role": "user", "content": p.prompt}] for p in load_suite(limit=1)]

@@ -230,7 +230,7 @@ def reference_tau(
     hf_target = transformers.AutoModelForCausalLM.from_pretrained(
         str(target.parent), gguf_file=target.name, dtype=torch.float32
     ).eval()
-    cls = zlab.DFlash2DraftModel if _is_dflash2(reference_drafter) else zlab.DFlashDraftModel
+    cls = getattr(zlab, _architecture(reference_drafter), zlab.DFlashDraftModel)  # z-lab's class of that name
     drafter = cls.from_pretrained(str(reference_drafter), dtype=torch.float32).eval()
     stop = [t for t in (hf_target.config.eos_token_id,) if t is not None]
     what = f"transformers {transformers.__version__}, float32 on CPU, target dequantized from {target.name}"
@@ -270,6 +270,7 @@ def _reference_steps(generated: list[int], acceptance_lengths: Sequence[int], bl
     return steps
 
 
-def _is_dflash2(checkpoint: Path) -> bool:
+def _architecture(checkpoint: Path) -> str:
+    """The checkpoint's config.json architecture: z-lab names its model classes so."""
     config = json.loads((checkpoint / "config.json").read_text())
-    return any("DFlash2" in a for a in config.get("architectures", []))
+    return (config.get("architectures") or ["DFlashDraftModel"])[0]

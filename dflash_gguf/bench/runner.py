@@ -24,6 +24,7 @@ from dflash_gguf.lockstep import lockstep, order
 from dflash_gguf.target import default_threads
 
 from . import peers as peer_runs
+from .chat import chat_steps
 from .kernels import kernel_advice
 from .machine import machine_info
 from .results import BenchResult, Generation, PeerResult, PromptResult
@@ -75,12 +76,6 @@ class BenchConfig:
 def _peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def chat_steps(session, messages: list[dict], config: GenerationConfig):
-    """Session.stream_chat from a clean cache, so every run prefills the whole prompt."""
-    session.reset()
-    return session.stream_chat(messages, config)
 
 
 def _chat_prompt(session, messages: list[dict]) -> tuple[str, list[int]]:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_parser import OneLineParser
-from ..kinds import kind_named
-from .config import KINDS, TrainConfig
+from ..kinds import kind_named, kind_names
+from .config import TrainConfig
 from .errors import TrainError
 
 STAGES = ("all", "data", "train", "export", "tau", "archive")
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--archive", type=Path, help="archive stage: where to write the token archive (default: OUT/tokens.npz)")
     g.add_argument("--prefill-batch", type=int, default=d.prefill_batch, help="rows per prefill decode (--from-archive)")
     g = p.add_argument_group("model")
-    g.add_argument("--kind", choices=KINDS, default=d.kind, help=f"drafter kind (default: {d.kind})")
+    g.add_argument("--kind", choices=kind_names(), default=d.kind, help=f"drafter kind (default: {d.kind})")
     g.add_argument("--draft-layers", type=int, default=d.draft_layers)
     g.add_argument("--feature-layers", type=int, default=d.feature_layers, help="number of target layers read")
     g.add_argument("--target-layer-ids", type=_ints, help="HF target layer ids (layer outputs), e.g. 1,8,14,20,27")

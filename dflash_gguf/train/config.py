@@ -6,11 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kinds import DFLASH, DFLASH2, DSPARK, kind_named
+from ..kinds import DFLASH, kind_named, kind_names
 from .errors import TrainError
-
-KINDS = tuple(k.name for k in (DFLASH, DFLASH2, DSPARK))
-"""The drafter kinds train/model.py builds."""
 
 
 @dataclass
@@ -37,7 +34,7 @@ class TrainConfig:
     archive: Path | None = None  # archive stage output (None: OUT/tokens.npz)
     prefill_batch: int = 512  # rows per prefill decode when rebuilding from an archive
     # model
-    kind: str = DFLASH.name  # one of KINDS
+    kind: str = DFLASH.name  # a registered kind's name (kinds.kind_names)
     draft_layers: int = 1
     feature_layers: int = 5  # how many target layers the drafter reads
     target_layer_ids: list[int] | None = None  # HF ids (layer outputs); None: spread over the target
@@ -100,8 +97,8 @@ class TrainConfig:
             raise TrainError(f"device must be auto, cpu, cuda or mps, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise TrainError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.kind not in KINDS:
-            raise TrainError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind not in kind_names():
+            raise TrainError(f"kind must be one of {', '.join(kind_names())}, got {self.kind!r}")
         if not kind_named(self.kind).reduced_vocab and self.draft_vocab is not None:
             raise TrainError(f"--kind {self.kind} needs the full vocabulary (--draft-vocab 0): its path selector spans the target vocabulary")
         if not 0.0 <= self.soft_labels <= 1.0:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kinds import DFLASH, DFLASH2, DSPARK, kind_named, kind_of_architecture
+from ..kinds import DFLASH, kind_named, kind_of_architecture
+from ..kinds.training import Training
 
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_CONFIG = "config.json"
@@ -42,7 +43,7 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # None = the full target vocabulary
     extra: dict = field(default_factory=dict)  # provenance recorded in config.json
     kind: str = DFLASH.name  # a kinds.DrafterKind name: dflash | dflash2 | dspark
-    # DFlash 2 (z-lab `DFlash2DraftModel`)
+    # read by the kinds' training hooks (kinds/<kind>/training.py): DFlash 2 (z-lab `DFlash2DraftModel`)
     conv_kernel_size: int = 2
     conv_group_size: int = 64
     selector_rank: int = 64
@@ -84,19 +85,12 @@ class DrafterConfig:
         }
         if self.draft_vocab_size is not None:
             cfg["draft_vocab_size"] = self.draft_vocab_size
-        if self.kind == DFLASH2.name:
-            cfg["dflash_config"].update(
-                conv_kernel_size=self.conv_kernel_size, conv_group_size=self.conv_group_size,
-                selector_rank=self.selector_rank, selector_top_k=self.selector_top_k,
-            )
-        if self.kind == DSPARK.name:
-            # the fields DeepSpec's config requires and upstream's DSparkModel converter reads
-            cfg.update(
-                markov_rank=self.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
-                confidence_head_with_markov=True, sample_from_anchor=True, num_anchors=512,
-                target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id,
-            )
+        self.training().hf_config(self, cfg)
         return cfg
+
+    def training(self) -> Training:
+        """Its kind's training hooks (kinds/<kind>/training.py)."""
+        return kind_named(self.kind).training()
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
@@ -193,101 +187,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class BlockConv(nn.Module):
-    """DFlash 2's grouped dynamic causal convolution, wrapped around one sublayer.
-
-    Along the slots of each block (never across blocks), tap `o` mixes the value `o` slots back
-    with a static per-channel weight `base_kernel[i, o]` plus a dynamic per-group weight that a
-    linear map reads off the sublayer's (normed) input. `prepare` convolves the sublayer input
-    (i = 0) and returns the dynamic weights for `finish`, which convolves its output (i = 1).
-    The static taps start as the identity, so a fresh DFlash 2 layer is a DFlash layer.
-    """
-
-    def __init__(self, hidden: int, kernel_size: int, group_size: int, block_size: int):
-        super().__init__()
-        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
-        self.groups = hidden // group_size
-        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
-        with torch.no_grad():
-            self.base_kernel[:, 0] = 1.0
-        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
-
-    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """x (b, n, h) in blocks of `block_size`; dynamic (b, n, taps, groups); base (taps, h)."""
-        b, n, h = x.shape
-        B, G = self.block_size, self.groups
-        xb = x.reshape(b, n // B, B, G, self.group_size)
-        dyn = dynamic.reshape(b, n // B, B, self.kernel_size, G, 1)
-        out = torch.zeros_like(xb)
-        for o in range(self.kernel_size):
-            shifted = xb if o == 0 else F.pad(xb[:, :, : B - o], (0, 0, 0, 0, o, 0))
-            w = base[o].reshape(G, self.group_size).to(x.dtype) + dyn[:, :, :, o]
-            out = out + w * shifted
-        return out.reshape(b, n, h)
-
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dyn = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, self.groups)
-        return self._convolve(x, dyn[..., 0, :, :], self.base_kernel[0]), dyn[..., 1, :, :]
-
-    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        return self._convolve(x, dynamic, self.base_kernel[1])
-
-
-class CandidateSelector(nn.Module):
-    """DFlash 2's low-rank path selector over the top-k candidates of each slot.
-
-    A candidate `c` after predecessor `p` scores `logit[c] + <P[p] * W h, S[c]>`; a draft is the
-    greedy chain of picks from the block's anchor token on.
-    """
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.top_k = cfg.selector_top_k
-        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
-
-    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """(..., k) scores of `candidates` (..., k) given `predecessor` (...) at slots `hidden` (..., h)."""
-        unary = logits.gather(-1, candidates)
-        q = self.predecessor_codebook(predecessor) * self.hidden_projection(hidden)
-        return unary + (q.unsqueeze(-2) * self.successor_codebook(candidates)).sum(-1)
-
-    def greedy_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        """(n_blocks, m) picks for drafted slots hidden (n_blocks, m, h), logits (n_blocks, m, V), anchor (n_blocks,)."""
-        candidates = logits.topk(self.top_k, dim=-1).indices
-        prev, path = anchor, []
-        for j in range(hidden.shape[1]):
-            scores = self.pair_scores(hidden[:, j], logits[:, j], prev, candidates[:, j])
-            prev = candidates[:, j].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
-            path.append(prev)
-        return torch.stack(path, dim=1)
-
-
-class MarkovHead(nn.Module):
-    """DSpark's vanilla Markov head: a low-rank bias on the next token's logits from the previous
-    token, `W2 W1[prev]`, chained through the block (DeepSpec `VanillaMarkov`)."""
-
-    def __init__(self, n_vocab: int, n_draft: int, rank: int):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(n_vocab, rank)
-        self.markov_w2 = nn.Linear(rank, n_draft, bias=False)
-
-    def bias(self, prev: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(self.markov_w1(prev))
-
-
-class ConfidenceHead(nn.Module):
-    """DSpark's confidence head: a logit of each slot's acceptance from [hidden ; W1[prev]]."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.proj = nn.Linear(dim, 1)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.proj(features).squeeze(-1)
-
-
 class Layer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -295,11 +194,7 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.kind == DFLASH2.name:
-            args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
-            self.attention_conv, self.mlp_conv = BlockConv(*args), BlockConv(*args)
-        else:
-            self.attention_conv = self.mlp_conv = None
+        self.attention_conv, self.mlp_conv = cfg.training().layer_convs(cfg)  # DFlash 2: its block convolutions
 
     def forward(self, x, ctx, x_pos, ctx_pos, mask):
         # as in z-lab's layer: the context features enter K/V un-normalised by input_layernorm
@@ -336,13 +231,10 @@ class Drafter(nn.Module):
         else:
             self.register_buffer("d2t", d2t.long(), persistent=False)
             self.register_buffer("lm_head_weight", head[d2t.long()].clone(), persistent=False)
-        self.candidate_selector = CandidateSelector(cfg) if cfg.kind == DFLASH2.name else None
-        if cfg.kind == DSPARK.name:
-            n_draft = cfg.vocab_size if d2t is None else len(d2t)
-            self.markov_head = MarkovHead(cfg.vocab_size, n_draft, cfg.markov_rank)
-            self.confidence_head = ConfidenceHead(h + cfg.markov_rank)
-        else:
-            self.markov_head = self.confidence_head = None
+        # the kind's own modules (DFlash 2's candidate_selector, DSpark's markov_head and confidence_head)
+        self.kind_training = cfg.training()
+        for name, module in self.kind_training.modules(cfg, cfg.vocab_size if d2t is None else len(d2t)).items():
+            self.add_module(name, module)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -370,28 +262,18 @@ class Drafter(nn.Module):
 
     def step_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Logits of slots whose previous token (target id) is `prev`: DSpark adds its Markov bias."""
-        logits = self.logits(hidden)
-        return logits if self.markov_head is None else logits + self.markov_head.bias(prev)
+        return self.kind_training.step_logits(self, hidden, prev)
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """DSpark: acceptance logit of each slot (sigmoid = predicted acceptance)."""
-        return self.confidence_head(torch.cat([hidden, self.markov_head.markov_w1(prev)], dim=-1))
+        return self.kind_training.confidence(self, hidden, prev)
 
     def draft(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """Greedy draft of each block as the runtime makes it: (n_blocks, m) draft rows (target ids
         for full-vocabulary drafters) from the hidden states of the predicting slots (n_blocks, m, h)
         and the anchor tokens (n_blocks,). DFlash: argmax per slot; DFlash 2: the selector's path;
         DSpark: argmax of each slot with the Markov bias of the previous pick."""
-        if self.candidate_selector is not None:
-            return self.candidate_selector.greedy_path(hidden, self.logits(hidden), anchor)
-        if self.markov_head is None:
-            return self.logits(hidden).argmax(-1)
-        prev, picks = anchor, []
-        for j in range(hidden.shape[1]):
-            row = self.step_logits(hidden[:, j], prev).argmax(-1)
-            picks.append(row)
-            prev = row if self.d2t is None else self.d2t[row]
-        return torch.stack(picks, dim=1)
+        return self.kind_training.draft(self, hidden, anchor)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights a z-lab checkpoint holds (frozen target tensors excluded)."""

@@ -19,21 +19,12 @@ from .data import FeatureCache, GenerationSettings, check_disk, estimate_cache_b
 from .errors import TrainError
 from .interrupts import sigterm_as_interrupt
 from .prompts import Prompt, load_prompts, split_prompts, weighted_order
+from .run_data import RunData
 from .target_spec import TargetSpec, read_target_spec
 
 SPLIT_FILE = "split.json"
 TRAIN_DATA = "data"
 EVAL_DATA = "eval_data"
-
-
-@dataclass
-class RunData:
-    spec: TargetSpec
-    layer_ids: list[int]  # HF ids
-    train: FeatureCache
-    eval: FeatureCache
-    train_prompts: list[Prompt]
-    test_prompts: list[Prompt]
 
 
 def target_layer_ids(n_target_layers: int, n_features: int) -> list[int]:

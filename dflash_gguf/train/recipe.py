@@ -12,11 +12,10 @@ import math
 
 import numpy as np
 
-from ..kinds import kind_named
 import torch
 
-IGNORE = -100
-"""Label of a slot that is not scored (slot 0, beyond the sequence, or outside the draft vocab)."""
+from ..kinds import kind_named
+from ..kinds.training import IGNORE  # shared with the kinds' own losses
 
 
 def valid_anchors(n_tokens: int, n_features: int, response_start: int) -> np.ndarray:
@@ -163,51 +162,3 @@ def distill_loss(
     w = weights * has
     soft = (ce * w).sum() / w.sum().clamp_min(1e-9)
     return (1 - soft_weight) * hard + soft_weight * soft, acc
-
-
-def selector_loss(scores: torch.Tensor, candidates: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """DFlash 2 path-selector loss: slot-weighted cross-entropy over the k candidate scores (N, k)
-    for the candidate that is the true token (N,); rows whose truth is not a candidate are skipped."""
-    hit = candidates == truth[:, None]
-    ok = hit.any(-1) & (truth != IGNORE)
-    if not ok.any():
-        return scores.sum() * 0.0
-    ce = torch.nn.functional.cross_entropy(scores[ok].float(), hit[ok].float().argmax(-1), reduction="none")
-    w = weights[ok]
-    return (ce * w).sum() / w.sum().clamp_min(1e-9)
-
-
-def dspark_loss(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, confidence: torch.Tensor,
-    target_probs: torch.Tensor, *, ce_weight: float, l1_weight: float, confidence_weight: float,
-) -> tuple[torch.Tensor, dict]:
-    """DSpark's loss as DeepSpec defines it, over scored rows (labels != IGNORE):
-
-    ce_weight x CE(label) + l1_weight x ||q - p||_1 + confidence_weight x BCE(confidence, a), where
-    q is the draft distribution, p the target's and a = 1 - ||q - p||_1 / 2 the probability that a
-    draft from q is accepted by p at this slot alone (per slot, not the cumulative prefix product;
-    detached: the confidence head learns the acceptance it observes, it does not shape the drafts).
-    Every term is slot-weighted.
-
-    DeepSpec's p is dense. `target_probs` may hold p only on some rows (the target's top-k), summing
-    to less than 1: the rows where it is 0 are then lumped into one outcome, "another token", with
-    mass 1 - sum(p) against q's mass there. That is exact when p is a full distribution (dense or
-    one-hot) and otherwise the total variation over {each known token, the rest}, a lower bound.
-    """
-    scored = labels != IGNORE
-    w = weights * scored
-    den = w.sum().clamp_min(1e-9)
-    safe = torch.where(scored, labels, torch.zeros_like(labels))
-    ce = torch.nn.functional.cross_entropy(logits.float(), safe, reduction="none")
-    q = torch.softmax(logits.float(), dim=-1)
-    p = target_probs.float()
-    known = p > 0
-    tail = ((q * ~known).sum(-1) - (1.0 - p.sum(-1)).clamp_min(0.0)).abs()
-    l1 = ((q - p).abs() * known).sum(-1) + tail
-    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence.float(), accept, reduction="none")
-    loss = (ce_weight * (ce * w).sum() + l1_weight * (l1 * w).sum() + confidence_weight * (bce * w).sum()) / den
-    with torch.no_grad():
-        stats = {"ce": float((ce * w).sum() / den), "l1": float((l1 * w).sum() / den),
-                 "confidence_bce": float((bce * w).sum() / den), "accept": float((accept * w).sum() / den)}
-    return loss, stats

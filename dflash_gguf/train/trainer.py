@@ -20,17 +20,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kinds import DFLASH2, DSPARK
+from ..kinds import kind_named
+from ..kinds.training import ScoredRows
 from .batches import Batch, draw_anchors, make_batch, spread_anchors
 from .config import TrainConfig
 from .data import FeatureCache
 from .errors import TrainError
 from .interrupts import sigterm_as_interrupt
 from .model import CHECKPOINT_CONFIG, Drafter, DrafterConfig, checkpoint_to_state
-from .pipeline import RunData
+from .run_data import RunData
 from .recipe import (
-    IGNORE, block_labels, default_gamma, distill_loss, dspark_loss, expected_acceptance, label_shift, selector_loss,
-    weighted_loss,
+    IGNORE, block_labels, default_gamma, distill_loss, expected_acceptance, label_shift, weighted_loss,
 )
 from .target_init import init_from_target
 from .target_spec import read_embedding_and_head
@@ -156,9 +156,10 @@ class Trainer:
                 f"{data.train.directory}: the cache holds no target top-k logits for --soft-labels; "
                 "rebuild it with --stage data --from-archive (it stores them), or drop --soft-labels"
             )
-        # DSpark's total-variation and confidence terms use the target distribution where the cache has it
-        self.soft = has_topk and (cfg.soft_labels > 0 or cfg.kind == DSPARK.name)
-        self.ce_weight = cfg.ce_weight if cfg.ce_weight is not None else 0.1
+        # a kind whose loss reads the target distribution (DSpark's total-variation and confidence terms) has it
+        # wherever the cache does
+        self.kind_training = kind_named(cfg.kind).training()
+        self.soft = has_topk and (cfg.soft_labels > 0 or self.kind_training.target_distribution)
         torch.set_num_threads(cfg.threads)
         last = self.ckpt_dir / "last"
         self._vocab_note = ""
@@ -259,29 +260,9 @@ class Trainer:
         labels, weights = batch.labels[scored], batch.weights[scored]
         soft_ids = batch.soft_ids[scored] if batch.soft_ids is not None else None
         soft_logits = batch.soft_logits[scored] if batch.soft_logits is not None else None
-        if cfg.kind == DSPARK.name:
-            conf = self.model.confidence(h, prev)
-            p = torch.zeros_like(logits, dtype=torch.float32)
-            if soft_ids is not None:
-                # the target's own probabilities of its kept top-k (not renormalised): the mass they
-                # leave out is the tail dspark_loss lumps, as close to DeepSpec's dense p as the cache allows
-                kept = torch.where(soft_ids >= 0, soft_logits.float().exp(), torch.zeros_like(soft_logits.float()))
-                p.scatter_add_(-1, soft_ids.clamp_min(0), kept)
-            missing = p.sum(-1) <= 0  # no target distribution for this row: the label, one-hot
-            p[missing] = torch.nn.functional.one_hot(labels[missing], p.shape[-1]).float()
-            loss, _ = dspark_loss(
-                logits, labels, weights, conf, p,
-                ce_weight=self.ce_weight, l1_weight=cfg.l1_weight, confidence_weight=cfg.confidence_weight,
-            )
-            acc = ((logits.argmax(-1) == labels).float().mean())
-            return loss, acc
-        loss, acc = distill_loss(logits, labels, weights, soft_ids, soft_logits, cfg.soft_labels)
-        if cfg.kind == DFLASH2.name:
-            sel = self.model.candidate_selector
-            candidates = logits.detach().topk(sel.top_k, dim=-1).indices
-            scores = sel.pair_scores(h, logits, prev, candidates)
-            loss = loss + cfg.selector_weight * selector_loss(scores, candidates, batch.truth[scored], weights)
-        return loss, acc
+        rows = ScoredRows(h, prev, logits, labels, weights, batch.truth[scored], soft_ids, soft_logits)
+        return self.kind_training.loss(
+            self.model, rows, cfg, lambda: distill_loss(logits, labels, weights, soft_ids, soft_logits, cfg.soft_labels))
 
     def _train_batch(self) -> Batch:
         records = self.data.train.records

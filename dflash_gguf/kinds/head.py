@@ -1,0 +1,110 @@
+"""A drafter kind's head: what the host computes over the rows libllama's graph gave for a drafted block.
+
+libllama computes the graph (src/models/dflash.cpp: the DFlash layers, DFlash2's selector lattice, DSpark's
+Markov bias and confidences); the `Drafter` reads the rows its kind's head asks for, each prediction slot's
+logits (n_vocab wide) and/or its nextn row (n_embd wide), and hands them here. A head turns them into the
+rows `Drafter.draft` returns and, from those, into a `Proposal`. The base head (`LogitsHead`, DFlash's)
+applies the z-lab output transforms libllama leaves to the reader and takes the argmax or samples.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..sampling import SamplingParams, probabilities, sample_token
+from ..schema import Keys
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens for block slots 1..n and the distribution each was drawn from.
+
+    q is None for greedy drafts; dense (n, V) for DFlash; for DFlash2 sparse: q (n, k)
+    over the candidate ids q_ids (n, k), as acceptance.accept_sampled takes it.
+    """
+
+    tokens: np.ndarray
+    q: np.ndarray | None = None
+    q_ids: np.ndarray | None = None
+    confidences: np.ndarray | None = None  # predicted P(accepted) per slot, where the drafter has a head for it
+
+
+@dataclass(frozen=True)
+class HeadSource:
+    """What a head is built from: the drafter's file and its loaded model (libllama's metadata reader)."""
+
+    path: Path
+    n_embd: int
+    n_vocab: int
+    meta: Callable[[str], str | None]  # a metadata value of the loaded model, as text; None when absent
+
+    def meta_float(self, key: str) -> float:
+        value = self.meta(key)
+        return float(value) if value else 0.0
+
+
+class OutputTransforms:
+    """DFlash1's graph leaves the z-lab output_multiplier and softcap to the reader (dflash.cpp)."""
+
+    def __init__(self, source: HeadSource) -> None:
+        self.scale = source.meta_float(Keys.LOGIT_SCALE)
+        self.softcap = source.meta_float(Keys.FINAL_LOGIT_SOFTCAPPING)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        if self.scale:
+            logits = logits * self.scale
+        if self.softcap > 0:
+            logits = np.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class Head(ABC):
+    """What the host computes over one drafted block's output rows; one per drafter context.
+
+    `logits` / `nextn` say which rows the drafter reads for each prediction slot (nextn: libllama's unmasked
+    nextn rows, one per block token); `rows` gets them as views valid until the next drafter call.
+    """
+
+    logits: bool = True  # each block slot outputs its logits
+    nextn: bool = False  # and the context outputs its nextn rows (llama_ext.set_embeddings_nextn)
+    confidences: bool = False  # `rows` gives each slot's predicted P(accepted)
+    trees: bool = True  # its rows are per-slot logits that a tree.TreeShaper can shape
+
+    @abstractmethod
+    def rows(self, logits: np.ndarray | None, nextn: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(what Drafter.draft returns, the slots' confidences or None) from the prediction slots' rows."""
+
+    def condition(self, row: np.ndarray, graph_prev: int, prev: int) -> np.ndarray:
+        """A slot's row (as `rows()` gave it) as if the token before the slot were `prev`, where the graph
+        computed it after `graph_prev` (the slot before's argmax; the anchor for the first): what a draft, or
+        a tree's node, below a token other than the graph's draws from. A kind whose slots' rows do not depend
+        on the token before (DFlash's logits; DFlash2's lattice, which holds every predecessor's scores) keeps
+        the row."""
+        return row
+
+    @abstractmethod
+    def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        """Draft tokens from `rows` (what `rows()` gave): argmax when greedy, else sampled with the q it reports."""
+
+
+class LogitsHead(Head):
+    """The base kind's head (DFlash): each slot's logits, transformed, drawn from independently."""
+
+    def __init__(self, source: HeadSource) -> None:
+        self.transforms = OutputTransforms(source)
+
+    def rows(self, logits: np.ndarray | None, nextn: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.transforms(logits), None
+
+    def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        if params.greedy:
+            return Proposal(tokens=rows.argmax(axis=1))
+        q = probabilities(rows, params)
+        return Proposal(tokens=np.array([sample_token(row, rng) for row in q]), q=q)
