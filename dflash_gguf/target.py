@@ -21,6 +21,7 @@ from llama_cpp import llama_cpp as capi
 from llama_cpp._logger import set_verbose
 
 from . import llama_ext, rpc
+from .defaults import FLASH_ATTN
 from .schema import Keys
 from .target_gguf import check_feature_layers
 from .target_gguf import fingerprint as gguf_fingerprint
@@ -105,7 +106,7 @@ def new_context(
     n_batch: int,
     n_seq_max: int = 1,
     n_threads: int | None = None,
-    flash_attn: bool = False,
+    flash_attn: bool = FLASH_ATTN,
     ctx_other: capi.llama_context_p | None = None,
     n_rs_seq: int = 0,
     type_k: str = "f16",
@@ -118,7 +119,7 @@ def new_context(
     kv_unified: one KV buffer for all n_seq_max sequences, each of them n_ctx long; a token may then carry
     several sequence ids (a draft tree's shared nodes), which a split cache refuses.
 
-    flash_attn defaults to off, as in llama_cpp.Llama: the same kernels give the same greedy tokens.
+    flash_attn: defaults.FLASH_ATTN unless given (the context's other users pass their target's).
     type_k / type_v: the KV cache's element type (KV_TYPES); a quantized V cache needs flash attention.
     """
     check_kv_types(type_k, type_v, flash_attn)
@@ -381,7 +382,7 @@ class Target(NativeResource):
         owned: bool = False,
         path: str | os.PathLike[str] | None = None,
         n_gpu_layers: int = 0,
-        flash_attn: bool = False,
+        flash_attn: bool,
         shared: SharedModel | None = None,
         type_k: str = "f16",
         type_v: str = "f16",
@@ -464,7 +465,7 @@ class Target(NativeResource):
         n_seq_max: int = 1,
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
-        flash_attn: bool = True,
+        flash_attn: bool = FLASH_ATTN,
         verbose: bool = False,
         n_rs_seq: int = 0,
         type_k: str = "f16",
@@ -478,8 +479,7 @@ class Target(NativeResource):
         n_rs_seq: recurrent-state snapshots per sequence, so hybrid targets can roll back that many
         tokens (memory.rs_seq_for sizes it); ignored by attention-only targets.
 
-        Flash attention is on by default: with it libllama's batched and single-token decodes give
-        bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
+        flash_attn: defaults.FLASH_ATTN (on: batched and single-token decodes give bit-identical logits on CPU).
         type_k / type_v: the KV cache's element types (KV_TYPES: f16, q8_0, q4_0, ...).
         load_mtp: load the model's MTP heads too, where it has them (`n_mtp_heads`; mtp.MTPSource drafts with them).
         rpc_servers: rpc-servers ('host:port') lending devices for the offloaded layers (load_model).
