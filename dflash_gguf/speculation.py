@@ -17,10 +17,11 @@ from .config import GenerationConfig
 from .constraints import Constraint, ForcedTokenSource
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy, TimingKind
 from .drafter import Drafter
+from .drafter_source import NativeDrafterSource
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory
 from .mtp import MTPSource, mtp_unusable_reason
-from .sources import DraftSource, NativeDrafterSource
+from .sources import DraftSource
 from .target import Target
 from .timing import calibrate, calibrate_verify, extend_verify_costs
 from .tree import TreeShaper, tree_unusable
