@@ -305,7 +305,7 @@ def _state_size(target: Target) -> int:
     """Bytes of one sequence's recurrent state; an empty context is probed with one token, then cleared."""
     if target.pos_max(0) >= 0:
         return int(capi.llama_state_seq_get_size_ext(target.ctx, 0, PARTIAL))
-    target.decode([max(0, target.bos_token())], 0, logits=False)
+    target.decode([max(0, target.vocab.bos_token())], 0, logits=False)
     try:
         return int(capi.llama_state_seq_get_size_ext(target.ctx, 0, PARTIAL))
     finally:

@@ -114,7 +114,7 @@ class Speculation:
             self.warned_plain = True
         policy = self.policy(config) if config.speculative and self.sources else None
         spec, sources = config.constraint, self.sources
-        constraint = None if spec is None else Constraint(self.target.constraint_tokenizer(), spec, self.target.n_vocab)
+        constraint = None if spec is None else Constraint(self.target.vocab.constraint_tokenizer(), spec, self.target.n_vocab)
         if constraint is not None and policy is not None and config.forced_drafts:
             # what the grammar forces is drafted for free, first among peers (the verify costs cover this length)
             longest = min(max(s.max_draft for s in sources), self.target.n_batch - 1)

@@ -189,7 +189,7 @@ def test_a_lone_surrogate_is_refused_naming_the_field(hermes):
 def test_the_turn_is_the_sessions_own(hermes):
     """prepare_turn over the Session's template and vocabulary is what Session.chat generates from."""
     request = ChatRequest([{"role": "user", "content": "What is 2+2?"}], settings={"max_tokens": 8, "temperature": 0.0})
-    turn = prepare_turn(ChatTemplate(hermes.target.chat_template(), "", "<|im_end|>"), hermes.target, request)
+    turn = prepare_turn(ChatTemplate(hermes.target.vocab.chat_template(), "", "<|im_end|>"), hermes.target.vocab, request)
     assert turn.tokens == hermes.prepare_chat(request).tokens
     assert hermes.run_turn(turn).tokens == hermes.chat(request.messages, max_tokens=8, temperature=0.0).tokens
 

@@ -193,7 +193,7 @@ def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, 
 
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as target:
         with Drafter(dflash_gguf_path, target) as drafter:
-            prompt = target.tokenize("The capital of France is")
+            prompt = target.vocab.tokenize("The capital of France is")
             target.decode(prompt, 0, logits="last")
             drafter.inject(target.features(len(prompt)), 0)
             before = target.logits(len(prompt) - 1)

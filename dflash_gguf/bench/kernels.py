@@ -211,7 +211,7 @@ def _flash_attn_flip_agreement(reference: Target, path: Path, n_threads: int, fl
 
 
 def _teacher_forced_argmax(target: Target, text: str) -> np.ndarray:
-    tokens = target.tokenize(text)[: target.n_batch]
+    tokens = target.vocab.tokenize(text)[: target.n_batch]
     target.clear()
     target.decode(tokens, 0, logits=True)
     tops = np.argmax(target.output_logits(), axis=1)
@@ -293,7 +293,7 @@ def _agreement_texts() -> list[str]:
 
 
 def context_tokens(target: Target) -> list[int]:
-    tokens = [t for text in _agreement_texts() for t in target.tokenize(text)]
+    tokens = [t for text in _agreement_texts() for t in target.vocab.tokenize(text)]
     return tokens[:CONTEXT_TOKENS]
 
 
