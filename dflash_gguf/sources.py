@@ -165,6 +165,9 @@ class DraftSource(ABC):
     def finish(self) -> None:
         """The generation ended: bring state up to date so a follow-up turn can reuse it."""
 
+    def close(self) -> None:
+        """Free what it holds in C; a Session closes the sources it made itself (speculation.SOURCES) with it."""
+
     def save_state(self) -> bytes:
         """Its whole state after the cached() positions it holds (the prompt cache stores it under state_part)."""
         raise NotImplementedError(f"draft source {self.name!r} keeps no state but the tokens (state_part is None)")
