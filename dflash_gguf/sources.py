@@ -3,7 +3,9 @@
 The loop asks every source for its offer (how far it can draft now, and what it expects each length to
 commit, from what it has learnt of its own acceptance), lets the policy pick one (source, length), has
 that source propose, verifies, and tells every source what was committed. Adding a source touches no line
-of the loop, the policy or the Session: pass it in `Session(sources=[...])`.
+of the loop, the policy or the Session: pass it in `Session(sources=[...])`, or give every Session one by
+its factory's line in `speculation.SOURCES`. This module is the protocol alone: the native drafter's source
+(drafter_source.py) and the policy (controller.py) import it, never the other way.
 """
 
 from __future__ import annotations
