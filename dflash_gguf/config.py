@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 from .checks import SettingError, boolean, checked, integer, optional, optional_boolean, real, strings
 from .constraints import KINDS as CONSTRAINT_KINDS
 from .constraints import ConstraintSpec, compile_grammar, schema_text
+from .defaults import FLASH_ATTN
 from .prompt_cache import DEFAULT_DISK_BYTES, PromptCache, parse_size
 from .rpc import check_endpoints
 from .sampling import CHECKS as SAMPLING_CHECKS
@@ -177,7 +178,7 @@ class SessionOptions:
                                     "CPU threads (default: llama.cpp's choice)", flags=("--threads", "--n-threads"),
                                     parse=int)
     n_batch: int = setting(512, integer(1), "tokens per decode batch", parse=int)
-    flash_attn: bool = setting(True, boolean, "flash attention (on: batched and single decodes agree bit for bit)")
+    flash_attn: bool = setting(FLASH_ATTN, boolean, "flash attention (on: batched and single decodes agree bit for bit)")
     verbose: bool = setting(False, boolean, "libllama's own log on stderr")
     wait: bool = setting(True, boolean, "a second caller waits for the running generation (False: SessionBusyError)")
     n_rs_seq: int | None = setting(None, optional(integer(0), "sized for the drafter"),

@@ -19,7 +19,7 @@ from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
 if TYPE_CHECKING:
-    from .sources import Candidate, Offer
+    from .sources import Candidate, Offer, Schedule
 
 TimingKind = Literal["draft", "verify", "plain", "rollback", "tree"]
 
@@ -622,8 +622,8 @@ class AdaptivePolicy(Policy):
 
     An offer's expected tokens per length are priced as one verify of n + 1 tokens (the shared cost model)
     plus the source's own draft pass (learnt per source from the cycles it drafts; a source under a
-    BlockController is priced by its controller, with the same verify costs). A source under a controller
-    bids its controller's drafting_rate(), None while set aside, so a profile faded back to its prior but
+    schedule (a BlockController) is priced by it, with the same verify costs). A source on its own schedule
+    bids the schedule's drafting_rate(), None while set aside, so a profile faded back to its prior but
     not confirmed by a probe never outbids a rival; it takes the cycle when its bid wins, and when no bid
     beats plain decoding each such source decides in turn as it would alone (stay plain, or probe). Ties
     go to the earlier offer. Any number of sources; none is special.
@@ -632,7 +632,7 @@ class AdaptivePolicy(Policy):
     def __init__(self, costs: CostModel, *, confidence_threshold: float | None = None) -> None:
         self.costs = costs
         self.confidence_threshold = confidence_threshold
-        self._controllers: dict[str, BlockController] = {}  # sources that drafted under a controller, by name
+        self._schedules: dict[str, Schedule] = {}  # sources that drafted on their own schedule, by name
         self._drafts = costs.source_drafts  # draft-pass seconds per block, sources without a controller
         self._plain = Choice(None, 0, StepKind.PLAIN, "")  # the last plain choice, reused while its reason holds
 
@@ -640,15 +640,15 @@ class AdaptivePolicy(Policy):
         return _best_verify_length(candidate, self.costs, self.confidence_threshold)
 
     def choose(self, offers: Sequence["Offer"]) -> Choice:
-        if len(offers) == 1 and offers[0].controller is not None:
+        if len(offers) == 1 and offers[0].schedule is not None:
             return self._controlled(offers[0])  # no rival: what the rule below gives, priced once
         plain_rate = 1.0 / self.costs.plain_s
         best, best_n, best_rate, best_expected, best_s = None, 0, plain_rate, 0.0, 0.0
         for offer in offers:
-            c = offer.controller
+            c = offer.schedule
             if c is not None:
                 if c.costs is not self.costs:
-                    raise ValueError(f"{offer.source}: its controller prices verifies with another cost model")
+                    raise ValueError(f"{offer.source}: its schedule prices verifies with another cost model")
                 rate = c.drafting_rate()
                 if rate is not None and rate > best_rate:
                     best, best_rate = offer, rate
@@ -660,14 +660,14 @@ class AdaptivePolicy(Policy):
                     if rate > best_rate:
                         best, best_n, best_rate, best_expected, best_s = offer, n, rate, expected[n], seconds
         if best is not None:
-            if best.controller is not None:
+            if best.schedule is not None:
                 return self._controlled(best)
             reason = (f"{best.source} {best_n}: E={best_expected:.1f} tok for {best_s * 1e3:.1f} ms = "
                       f"{best_rate:.0f} tok/s > plain {plain_rate:.0f} tok/s")
             return Choice(best.source, best_n, StepKind.DRAFT, reason)
         reason = None
         for offer in offers:  # no bid pays: a source under a controller keeps its own schedule (it may probe)
-            if offer.controller is not None:
+            if offer.schedule is not None:
                 choice = self._controlled(offer)
                 if choice.n_draft:
                     return choice
@@ -677,12 +677,12 @@ class AdaptivePolicy(Policy):
         return self._plain_choice(reason)
 
     def _controlled(self, offer: "Offer") -> Choice:
-        """The cycle as the offer's controller decides it, cut to what the source can propose now."""
-        block = offer.controller.choose()
+        """The cycle as the offer's schedule decides it, cut to what the source can propose now."""
+        block = offer.schedule.choose()
         n = min(block.n_draft, offer.n_max)
         if n == 0:
             return self._plain_choice(block.reason)
-        self._controllers[offer.source] = offer.controller
+        self._schedules[offer.source] = offer.schedule
         return Choice(offer.source, n, StepKind.PROBE if block.probe else StepKind.DRAFT, block.reason)
 
     def _plain_choice(self, reason: str) -> Choice:
@@ -695,17 +695,17 @@ class AdaptivePolicy(Policy):
         return CHEAP_DRAFT_S if table is None else table.seconds(block_tokens)
 
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
-        c = self._controllers.get(choice.source) if choice.n_draft else None
+        c = self._schedules.get(choice.source) if choice.n_draft else None
         if c is not None and c.observe(choice.n_draft, n_accepted, timing.block_tokens):
             # a tree: its verify, the shared prefix and the kept path together, priced apart from blocks
             self.costs.observe("tree", timing.block_tokens, timing.verify_s + timing.rollback_s)
-            c.observe_timing("draft", choice.n_draft + 1, timing.draft_s)
+            c.costs.observe("draft", choice.n_draft + 1, timing.draft_s)
             return
         self.costs.observe("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
         if not choice.n_draft:  # a plain cycle tells no acceptance profile anything
             return
         if c is not None:
-            c.observe_timing("draft", timing.block_tokens, timing.draft_s)
+            c.costs.observe("draft", timing.block_tokens, timing.draft_s)
         elif timing.draft_s > 0:
             table = self._drafts.get(choice.source)
             if table is None:  # the first measurement as measured: an update from CHEAP_DRAFT_S would cap it at

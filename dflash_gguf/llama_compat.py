@@ -115,7 +115,7 @@ def _completion(session: Session, tokens: list[int], config: GenerationConfig, t
     n = len(result.tokens)
     logprobs = None
     if config.logprobs is not None:
-        logprobs = CompletionLogprobs(session.target.token_bytes, text_offset)(result.logprobs)
+        logprobs = CompletionLogprobs(session.target.vocab.token_bytes, text_offset)(result.logprobs)
     return {
         **header,
         "choices": [{"text": result.text, "index": 0, "logprobs": logprobs, "finish_reason": result.finish_reason}],
@@ -128,7 +128,7 @@ def _completion_chunks(session: Session, tokens: list[int], config: GenerationCo
     """llama_cpp's streamed text_completion chunks: one per cycle with text (and that cycle's logprobs when
     asked), then one with finish_reason."""
     header = _completion_header(session)
-    shape = CompletionLogprobs(session.target.token_bytes, text_offset) if config.logprobs is not None else None
+    shape = CompletionLogprobs(session.target.vocab.token_bytes, text_offset) if config.logprobs is not None else None
     for step in session.stream_tokens(tokens, config):
         if step.text or (shape is not None and step.logprobs):
             logprobs = shape(step.logprobs) if shape is not None else None

@@ -297,7 +297,7 @@ def _state_size(target: Target) -> int:
     """Bytes of one sequence's recurrent state; an empty sequence is probed with one token, then cleared."""
     if target.pos_max(0) >= 0:
         return len(target.save_sequence(0, flags=PARTIAL))
-    target.decode([max(0, target.bos_token())], 0, logits=False)
+    target.decode([max(0, target.vocab.bos_token())], 0, logits=False)
     try:
         return len(target.save_sequence(0, flags=PARTIAL))
     finally:

@@ -351,6 +351,7 @@ class MTPSource(DraftSource):
     name = MTP_SOURCE
     provenance = TokenSource.MTP
     needs_features = False
+    state_part = "mtp"  # snapshot(): the carry, the waiting tokens and rows, the MTP context's KV
 
     def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
                  max_draft: int = DEFAULT_MAX_DRAFT, n_threads: int | None = None, stats: LookupStats | None = None) -> None:
@@ -472,6 +473,12 @@ class MTPSource(DraftSource):
         n = len(self._tokens)
         return (self._carry.tobytes() + _COUNT.pack(n) + np.asarray(self._tokens, np.int32).tobytes()
                 + self._rows.view().tobytes() + self.heads.save_state())
+
+    def save_state(self) -> bytes:
+        return self.snapshot()
+
+    def restore_state(self, data: bytes | None, commit: Commit) -> None:
+        self.restore(data, commit.start + len(commit.tokens))
 
     def restore(self, data: bytes, n: int) -> None:
         """The state snapshot() returned after n positions: the next commit pairs with the same carry and the

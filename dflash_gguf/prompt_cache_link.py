@@ -47,10 +47,9 @@ class PromptCacheLink:
 
     def usable(self) -> bool:
         """Whether this Session's whole decoding state can be saved and restored: a memory that keeps a
-        prefix at all, and no caller-given source whose state is more than the tokens (features)."""
-        native = self.speculation.native
+        prefix at all, and no source whose state is more than the tokens (features) but cannot save it."""
         return (self.cache is not None and self.memory.can_rollback
-                and not any(s.needs_features and s is not native for s in self.speculation.sources))
+                and not any(s.needs_features and s.state_part is None for s in self.speculation.sources))
 
     def context_id(self) -> str:
         """Everything that shapes the saved bytes or the numbers in them: entries restore only into their own."""
@@ -121,11 +120,9 @@ class PromptCacheLink:
         return replace(restored, stored=any(stored), store_ms=store_ms)
 
     def _load(self, snapshot: Snapshot) -> None:
-        """Put the target, the drafter and every source in the state after snapshot.tokens."""
-        n, drafter, sources = len(snapshot.tokens), self.speculation.drafter, self.speculation.sources
-        mtp = self.speculation.mtp
-        if "target" not in snapshot.parts or (drafter is not None) != ("drafter" in snapshot.parts) or \
-                (mtp is not None) != ("mtp" in snapshot.parts):
+        """Put the target and every source in the state after snapshot.tokens."""
+        n, sources = len(snapshot.tokens), self.speculation.sources
+        if set(snapshot.parts) != {"target", *(s.state_part for s in sources if s.state_part is not None)}:
             raise ValueError("the entry does not hold this Session's parts")
         self.state.invalidate(sources)
         self.target.load_sequence(snapshot.parts["target"])
@@ -133,27 +130,14 @@ class PromptCacheLink:
             raise RuntimeError(f"the target holds {self.target.pos_max(0) + 1} positions after restoring {n}")
         self.memory.restored(n)
         self.state.commit(snapshot.tokens)
-        for s in sources:
-            if s is self.speculation.native:
-                drafter.load_state(snapshot.parts["drafter"])
-                if drafter.pos_max() + 1 != n:
-                    raise RuntimeError(f"the drafter holds {drafter.pos_max() + 1} positions after restoring {n}")
-                s.restored(n)
-            elif s is mtp:
-                s.restore(snapshot.parts["mtp"], n)
-            else:  # its state is a function of the tokens (lookup indexes them where they are held)
-                s.observe(Commit(0, snapshot.tokens, sequence=self.state.tokens))
+        commit = Commit(0, snapshot.tokens, sequence=self.state.tokens)
+        for s in sources:  # a source without a saved part observes the tokens (lookup indexes them where they are held)
+            s.restore_state(None if s.state_part is None else snapshot.parts[s.state_part], commit)
 
     def _snapshot(self, tokens: Sequence[int]) -> Snapshot | None:
         """The whole state after `tokens`, when every part of it is there: a plain generation leaves the
-        drafter and the MTP heads behind the target, and then there is none."""
-        n, native, mtp = len(tokens), self.speculation.native, self.speculation.mtp
-        behind = any(s is not None and s.cached() != n for s in (native, mtp))
-        if n == 0 or self.target.pos_max(0) + 1 != n or behind:
+        sources with a state of their own (the drafter, the MTP heads) behind the target, and then there is none."""
+        n, saved = len(tokens), [s for s in self.speculation.sources if s.state_part is not None]
+        if n == 0 or self.target.pos_max(0) + 1 != n or any(s.cached() != n for s in saved):
             return None
-        parts = {"target": self.target.save_sequence()}
-        if native is not None:
-            parts["drafter"] = self.speculation.drafter.save_state()
-        if mtp is not None:
-            parts["mtp"] = mtp.snapshot()
-        return Snapshot(tuple(tokens), parts)
+        return Snapshot(tuple(tokens), {"target": self.target.save_sequence(), **{s.state_part: s.save_state() for s in saved}})

@@ -170,14 +170,14 @@ class Session:
     def chat_template(self) -> ChatTemplate:
         """The GGUF's chat template, its family learned once."""
         self._check_open()
-        t = self.target
-        return ChatTemplate(t.chat_template(), t.special_token_text(t.bos_token()), t.special_token_text(t.eos_token()),
-                            where=str(t.path))
+        v = self.target.vocab
+        return ChatTemplate(v.chat_template(), v.special_token_text(v.bos_token()), v.special_token_text(v.eos_token()),
+                            where=str(self.target.path))
 
     def prepare_chat(self, request: ChatRequest, base: GenerationConfig | None = None) -> Turn:
         """The chat floor's turn for `request` over `base` (or the defaults), its prompt checked to fit."""
         self._check_open()
-        turn = prepare_turn(self.chat_template, self.target, request, base)
+        turn = prepare_turn(self.chat_template, self.target.vocab, request, base)
         self._check_prompt_tokens(turn.tokens)
         return turn
 
@@ -285,7 +285,7 @@ class Session:
         self._check_open()
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a str, got {type(text).__name__}")
-        return self._check_prompt_tokens(self.target.tokenize(text, add_special=add_special, parse_special=True))
+        return self._check_prompt_tokens(self.target.vocab.tokenize(text, add_special=add_special, parse_special=True))
 
     def _check_prompt_tokens(self, tokens: Sequence[int]) -> list[int]:
         self._check_open()

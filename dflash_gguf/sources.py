@@ -3,25 +3,25 @@
 The loop asks every source for its offer (how far it can draft now, and what it expects each length to
 commit, from what it has learnt of its own acceptance), lets the policy pick one (source, length), has
 that source propose, verifies, and tells every source what was committed. Adding a source touches no line
-of the loop, the policy or the Session: pass it in `Session(sources=[...])`.
+of the loop, the policy or the Session: pass it in `Session(sources=[...])`, or give every Session one by
+its factory's line in `speculation.SOURCES`. This module is the protocol alone: the native drafter's source
+(drafter_source.py) and the policy (controller.py) import it, never the other way.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .drafter import Drafter
 from .sampling import SamplingParams
 from .steps import TokenSource
-from .target import FeatureRows
 
 if TYPE_CHECKING:
-    from .controller import BlockController
-    from .tree import DraftTree, TreeShaper
+    from .target import FeatureRows
+    from .tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,45 @@ class Offer:
     expected[n]: tokens a cycle verifying n of its drafts is expected to commit, n = 0.. (the bonus
     token included, so expected[0] == 1), from the source's own acceptance model; the policy prices each
     length with the measured costs. None: no estimate (the source drafts only in fixed blocks).
-    controller: a source that keeps a BlockController (its acceptance profile, probing and back-off)
-    offers through it instead; the controller's block may be longer than n_max and is cut to it.
+    schedule: a source that keeps its own schedule (the native drafter's controller: its acceptance
+    profile, probing and back-off, its trees) offers through it instead: its bid in tokens per second, and
+    the cycle it would draft; that block may be longer than n_max and is cut to it.
     """
 
     source: str
     n_max: int
     expected: Sequence[float] | None = None
-    controller: "BlockController | None" = None
+    schedule: "Schedule | None" = None
+
+
+class Shape(Protocol):
+    """A cycle a Schedule chose (controller.BlockChoice): how many drafts (0: plain), whether it probes, why."""
+
+    n_draft: int
+    probe: bool
+    reason: str
+
+
+class Schedule(Protocol):
+    """What the policy asks of a source that schedules its own cycles (controller.BlockController). The
+    source owns it (and what it learns); the policy prices rivals with the same `costs` and reports back."""
+
+    costs: "VerifyCostsLike"
+
+    def drafting_rate(self) -> float | None:
+        """Expected tokens/s of the cycle it would draft now; None while it keeps to plain decoding."""
+
+    def choose(self) -> Shape:
+        """This cycle's shape (advances its schedule: call once per cycle it is asked to decide)."""
+
+    def observe(self, n_draft: int, n_accepted: int, verified_rows: int | None = None) -> bool:
+        """The outcome of the cycle it chose; True where the rows verified were its tree."""
+
+
+class VerifyCostsLike(Protocol):
+    """The cost model a Schedule prices with and the policy folds a cycle's timings into (controller.CostModel)."""
+
+    def observe(self, kind: str, n_tokens: int, seconds: float) -> None: ...
 
 
 class DraftSource(ABC):
@@ -97,6 +128,8 @@ class DraftSource(ABC):
     provenance: TokenSource = TokenSource.DRAFT
     max_draft: int
     needs_features: bool = False  # whether observe() reads Commit.features (the loop captures them only then)
+    # the prompt cache's name for the state save_state() gives; None: its state is a function of the tokens
+    state_part: str | None = None
 
     @abstractmethod
     def cached(self) -> int:
@@ -134,101 +167,15 @@ class DraftSource(ABC):
     def finish(self) -> None:
         """The generation ended: bring state up to date so a follow-up turn can reuse it."""
 
+    def close(self) -> None:
+        """Free what it holds in C; a Session closes the sources it made itself (speculation.SOURCES) with it."""
 
-class NativeDrafterSource(DraftSource):
-    """The libllama drafter (DFlash, DFlash2, DSpark) as a draft source.
+    def save_state(self) -> bytes:
+        """Its whole state after the cached() positions it holds (the prompt cache stores it under state_part)."""
+        raise NotImplementedError(f"draft source {self.name!r} keeps no state but the tokens (state_part is None)")
 
-    Committed rows' features are kept and injected in one batch before the next draft, so cycles that
-    the controller keeps plain pay no drafter call at all. Its acceptance model is `controller` (set once
-    its costs are measured), which the policy feeds with the outcome of every block it drafts.
-    """
-
-    needs_features = True
-
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter = drafter
-        self.name = drafter.kind
-        self.max_draft = drafter.max_draft
-        self._controller: BlockController | None = None
-        self._tree: TreeShaper | None = None
-        self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
-        self._n = 0  # positions injected into the drafter's KV cache
-        self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
-
-    @property
-    def controller(self) -> "BlockController | None":
-        """Its acceptance model and cycle chooser, set once its costs are measured."""
-        return self._controller
-
-    @controller.setter
-    def controller(self, controller: "BlockController | None") -> None:
-        self._controller = controller
-        self._attach()
-
-    @property
-    def tree(self) -> "TreeShaper | None":
-        """Set (DFlash drafters, tree_nodes): its cycles may verify trees; the controller prices them beside
-        blocks and chooses each cycle's shape (a fixed block verifies a tree of the whole budget)."""
-        return self._tree
-
-    @tree.setter
-    def tree(self, shaper: "TreeShaper | None") -> None:
-        self._tree = shaper
-        self._attach()
-
-    def _attach(self) -> None:
-        if self._controller is not None and self._tree is not None and self._controller.trees is not self._tree:
-            self._controller.attach_trees(self._tree)
-
-    def cached(self) -> int:
-        return self._n
-
-    def restored(self, n: int) -> None:
-        """The drafter's KV cache was replaced by a saved state of n positions (the prompt cache)."""
-        self._pending.clear()
-        self._n = n
-
-    def truncate(self, n: int) -> None:
-        self._pending.clear()
-        if n < self._n:
-            self.drafter.remove(n)
-            self._n = n
-
-    def available(self, last: int, n_past: int) -> int:
-        return self.max_draft
-
-    def offer(self, last: int, n_past: int, n_max: int) -> Offer:
-        if self._offer.n_max != n_max or self._offer.controller is not self.controller:
-            self._offer = Offer(self.name, n_max, controller=self.controller)
-        return self._offer
-
-    def drafts_in_block(self, block_size: int) -> int:
-        """Drafts a block of block_size holds: all of it for anchor-first DSpark, else all but the last token's slot."""
-        return block_size if self.drafter.sample_from_anchor else block_size - 1
-
-    def propose(
-        self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
-    ) -> Candidate:
-        self.finish()
-        c = self._controller
-        rows = None if c is None else c.tree_rows_now()
-        if self._tree is not None and rows != 0:  # chosen, not drawn: any sampling verifies them exactly (walk_sampled)
-            costs = c.costs if c is not None and c.sized_now() else None
-            tree = self._tree.shape(last, n_past, self.drafter.draft(last, n_past, n_draft), rows, costs)
-            return Candidate(self.name, np.asarray(tree.tokens[1 : tree.first_leaf + 1]), point_mass=True, tree=tree)
-        p = self.drafter.propose(last, n_past, n_draft, params, rng)
-        return Candidate(self.name, p.tokens, p.q, p.q_ids, p.confidences)
-
-    def observe(self, commit: Commit) -> None:
-        if self.tree is not None:  # what the target took of the last tree: its shaper learns from it
-            self.tree.observe(commit.start, commit.tokens)
-        if commit.start != self._n + len(self._pending):
-            raise RuntimeError(f"drafter features out of order: commit at {commit.start}, drafter at {self._n}")
-        commit.features(self._pending)
-
-    def finish(self) -> None:
-        n = len(self._pending)
-        if n:
-            self.drafter.inject(self._pending.view(), self._n)
-            self._pending.clear()
-            self._n += n
+    def restore_state(self, data: bytes | None, commit: Commit) -> None:
+        """Put it in the state after commit.tokens (positions 0..), which the target now holds: `data` is what
+        save_state() gave (None without a state_part, and then it observes the tokens, as a prefill would).
+        RuntimeError or ValueError where the state does not restore; the caller then forgets every cache."""
+        self.observe(commit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from . import calibration_store
@@ -17,15 +18,16 @@ from .config import GenerationConfig
 from .constraints import Constraint, ForcedTokenSource
 from .controller import AdaptivePolicy, BlockController, CostModel, FixedPolicy, Policy, TimingKind
 from .drafter import Drafter
+from .drafter_source import NativeDrafterSource
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory
 from .mtp import MTPSource, mtp_unusable_reason
-from .sources import DraftSource, NativeDrafterSource
+from .sources import DraftSource
 from .target import Target
 from .timing import calibrate, calibrate_verify, extend_verify_costs
 from .tree import TreeShaper, tree_unusable
 
-__all__ = ["Speculation"]
+__all__ = ["SOURCES", "SessionParts", "Speculation"]
 
 
 class Speculation:
@@ -78,29 +80,32 @@ class Speculation:
             if isinstance(drafter, Drafter):
                 drafter.close()
             return
-        self.sources += given
-        if lookup if lookup is not None else drafter is None:
-            self.lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
-            self.sources.append(self.lookup)
-        if mtp_unusable_reason(target) is None:
-            self.mtp = MTPSource(target, n_threads=n_threads)
-            self.sources.append(self.mtp)
-        _check_names(s.name for s in self.sources)
+        _check_names(s.name for s in given)
         if drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
                 drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads,
                 type_k=draft_kv[0], type_v=draft_kv[1])
-            self.native = NativeDrafterSource(self.drafter)
-            self.sources.append(self.native)
-            if tree_nodes:
-                self.tree_disabled_reason = tree_unusable(target, memory, self.drafter)
-                if self.tree_disabled_reason is None:
-                    self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
-            try:
-                _check_names(s.name for s in self.sources)
-            except ValueError:
+        parts = SessionParts(target, memory, self.drafter, n_threads, lookup)
+        try:
+            self.sources += given
+            for make in SOURCES:  # the Session's own, peers after the caller's
+                source = make(parts)
+                if source is not None:
+                    self.sources.append(source)
+                    _check_names(s.name for s in self.sources)
+        except BaseException:
+            for source in self.sources[len(given):]:
+                source.close()
+            if self.drafter is not None:
                 self.drafter.close()
-                raise
+            raise
+        self.lookup = next((s for s in self.sources if isinstance(s, LookupSource)), None)
+        self.mtp = next((s for s in self.sources if isinstance(s, MTPSource)), None)
+        self.native = next((s for s in self.sources if isinstance(s, NativeDrafterSource)), None)
+        if self.native is not None and tree_nodes:
+            self.tree_disabled_reason = tree_unusable(target, memory, self.drafter)
+            if self.tree_disabled_reason is None:
+                self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
         elif tree_nodes:
             self.tree_disabled_reason = "no drafter: a tree is shaped from a drafter's candidates"
 
@@ -113,7 +118,7 @@ class Speculation:
             self.warned_plain = True
         policy = self.policy(config) if config.speculative and self.sources else None
         spec, sources = config.constraint, self.sources
-        constraint = None if spec is None else Constraint(self.target.constraint_tokenizer(), spec, self.target.n_vocab)
+        constraint = None if spec is None else Constraint(self.target.vocab.constraint_tokenizer(), spec, self.target.n_vocab)
         if constraint is not None and policy is not None and config.forced_drafts:
             # what the grammar forces is drafted for free, first among peers (the verify costs cover this length)
             longest = min(max(s.max_draft for s in sources), self.target.n_batch - 1)
@@ -175,11 +180,12 @@ class Speculation:
         return native.controller
 
     def close(self) -> None:
-        """Free the drafter's and the MTP heads' contexts (the caller holds the Session's native lock)."""
+        """Free the drafter's and the Session's own sources' contexts (the caller holds the Session's native lock);
+        the caller's sources are the caller's to close."""
+        for source in self.sources[len(self.given):]:
+            source.close()
         if self.drafter is not None:
             self.drafter.close()
-        if self.mtp is not None:
-            self.mtp.close()
 
     def _calibrated(self, measurement: dict[str, int], measure: Callable[[], CostModel]) -> CostModel:
         """The costs saved for this build, device, models and settings, else measured now and saved
@@ -194,6 +200,41 @@ class Speculation:
         memory's turn checkpoints would see the timing batches."""
         if self.target.pos_max(0) + 1 + n > self.target.n_ctx_seq or self.memory.name != "kv":
             self._forget()
+
+
+@dataclass(frozen=True)
+class SessionParts:
+    """What the Session's own draft sources are made from: its target and memory, its drafter (opened, or None),
+    its threads and whether lookup was asked for (None: where there is no drafter)."""
+
+    target: Target
+    memory: TargetMemory
+    drafter: Drafter | None
+    n_threads: int | None
+    lookup: bool | None
+
+
+def lookup_source(parts: SessionParts) -> DraftSource | None:
+    """N-gram lookup over the prompt and the reply: beside a drafter only where asked for."""
+    if not (parts.lookup if parts.lookup is not None else parts.drafter is None):
+        return None
+    t = parts.target
+    return LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, t.n_batch - 1, t.n_ctx_seq - 1))
+
+
+def mtp_source(parts: SessionParts) -> DraftSource | None:
+    """The target's own MTP heads, where it has them."""
+    return MTPSource(parts.target, n_threads=parts.n_threads) if mtp_unusable_reason(parts.target) is None else None
+
+
+def native_source(parts: SessionParts) -> DraftSource | None:
+    """The drafter the Session was opened with."""
+    return None if parts.drafter is None else NativeDrafterSource(parts.drafter)
+
+
+# The Session's own draft sources, in peer order (after the caller's): each makes its source from a Session's
+# parts, or None where it cannot draft there. A new source is a module and its line here.
+SOURCES: tuple[Callable[[SessionParts], DraftSource | None], ...] = (lookup_source, mtp_source, native_source)
 
 
 def _no_speculation_reason(target: Target, memory: TargetMemory) -> str | None:

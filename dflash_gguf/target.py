@@ -1,4 +1,5 @@
-"""The target model: one libllama model + context, with layer-input capture.
+"""The target model: one libllama model + context, with layer-input capture; its vocabulary is
+`Target.vocab` (vocabulary.Vocabulary).
 
 Everything that reaches C is validated here first, because libllama answers bad
 input with GGML_ASSERT, which aborts the whole process.
@@ -9,11 +10,10 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import Any, Sequence, Union
 
 import llama_cpp
 import numpy as np
@@ -21,12 +21,11 @@ from llama_cpp import llama_cpp as capi
 from llama_cpp._logger import set_verbose
 
 from . import llama_ext, rpc
+from .defaults import FLASH_ATTN
 from .schema import Keys
 from .target_gguf import check_feature_layers
 from .target_gguf import fingerprint as gguf_fingerprint
-
-if TYPE_CHECKING:
-    import llguidance
+from .vocabulary import TokenizerCache, Vocabulary
 
 GGUF_MAGIC = b"GGUF"
 LLAMA_MAX_SEQ = 256  # src/llama-cparams.h; libllama rejects more sequences
@@ -105,7 +104,7 @@ def new_context(
     n_batch: int,
     n_seq_max: int = 1,
     n_threads: int | None = None,
-    flash_attn: bool = False,
+    flash_attn: bool = FLASH_ATTN,
     ctx_other: capi.llama_context_p | None = None,
     n_rs_seq: int = 0,
     type_k: str = "f16",
@@ -118,7 +117,7 @@ def new_context(
     kv_unified: one KV buffer for all n_seq_max sequences, each of them n_ctx long; a token may then carry
     several sequence ids (a draft tree's shared nodes), which a split cache refuses.
 
-    flash_attn defaults to off, as in llama_cpp.Llama: the same kernels give the same greedy tokens.
+    flash_attn: defaults.FLASH_ATTN unless given (the context's other users pass their target's).
     type_k / type_v: the KV cache's element type (KV_TYPES); a quantized V cache needs flash attention.
     """
     check_kv_types(type_k, type_v, flash_attn)
@@ -279,7 +278,7 @@ class SharedModel:
         self._owned = owned
         self._users = 1
         self._lock = threading.Lock()
-        self.constraint_tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use
+        self.tokenizers = TokenizerCache()  # llguidance's view of the vocabulary, built on first use
 
     def share(self) -> "SharedModel":
         with self._lock:
@@ -378,7 +377,7 @@ class Target(NativeResource):
         owned: bool = False,
         path: str | os.PathLike[str] | None = None,
         n_gpu_layers: int = 0,
-        flash_attn: bool = False,
+        flash_attn: bool,
         shared: SharedModel | None = None,
         type_k: str = "f16",
         type_v: str = "f16",
@@ -396,11 +395,12 @@ class Target(NativeResource):
         self._ctx = ctx
         self._owned = owned  # the context is ours to free
         self._shared = shared or SharedModel(model, owned=owned)
-        self._vocab = capi.llama_model_get_vocab(model)
+        # its vocabulary, closed with it: text to tokens and back, the chat template, llguidance's tokenizer
+        self.vocab = Vocabulary(model, self._shared.tokenizers, self._closed_error)
         self._mem = capi.llama_get_memory(ctx)
         self.n_embd: int = capi.llama_model_n_embd(model)
         self.n_layer: int = capi.llama_model_n_layer(model)
-        self.n_vocab: int = capi.llama_vocab_n_tokens(self._vocab)
+        self.n_vocab: int = self.vocab.n_vocab  # the width of its logits rows
         self.n_ctx: int = capi.llama_n_ctx(ctx)
         self.n_ctx_seq: int = capi.llama_n_ctx_seq(ctx)
         self.n_ctx_train: int = capi.llama_model_n_ctx_train(model)  # the context the model was trained for
@@ -421,8 +421,6 @@ class Target(NativeResource):
         self._n_outputs = 0
         self._logits_view: np.ndarray | None = None  # output_logits' view, while libllama's buffer stays put
         self._logits_key: tuple[int, int] = (0, 0)  # (buffer address, rows) the view was built for
-        self._pieces: dict[int, bytes] = {}  # token -> bytes: the vocabulary never changes
-        self._eog: dict[int, bool] = {}
         self._init_batch()
 
     def _init_batch(self) -> None:
@@ -461,7 +459,7 @@ class Target(NativeResource):
         n_seq_max: int = 1,
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
-        flash_attn: bool = True,
+        flash_attn: bool = FLASH_ATTN,
         verbose: bool = False,
         n_rs_seq: int = 0,
         type_k: str = "f16",
@@ -475,8 +473,7 @@ class Target(NativeResource):
         n_rs_seq: recurrent-state snapshots per sequence, so hybrid targets can roll back that many
         tokens (memory.rs_seq_for sizes it); ignored by attention-only targets.
 
-        Flash attention is on by default: with it libllama's batched and single-token decodes give
-        bit-identical logits on CPU, so verified blocks reproduce plain decoding exactly.
+        flash_attn: defaults.FLASH_ATTN (on: batched and single-token decodes give bit-identical logits on CPU).
         type_k / type_v: the KV cache's element types (KV_TYPES: f16, q8_0, q4_0, ...).
         load_mtp: load the model's MTP heads too, where it has them (`n_mtp_heads`; mtp.MTPSource drafts with them).
         rpc_servers: rpc-servers ('host:port') lending devices for the offloaded layers (load_model).
@@ -543,8 +540,7 @@ class Target(NativeResource):
         if self._fingerprint is None:
             if self._ctx is None:
                 raise self._closed_error()
-            tokens = (capi.llama_vocab_get_text(self._vocab, i) for i in range(self.n_vocab))
-            self._fingerprint = gguf_fingerprint(self.architecture, self.n_embd, self.n_layer, tokens)
+            self._fingerprint = gguf_fingerprint(self.architecture, self.n_embd, self.n_layer, self.vocab.texts())
         return self._fingerprint
 
     def meta(self, key: str) -> str | None:
@@ -917,84 +913,6 @@ class Target(NativeResource):
         self._n_last = 0
         self._n_outputs = 0
 
-    # -- vocabulary ------------------------------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        if self._ctx is None:
-            raise self._closed_error()
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (capi.llama_token * cap)()
-        n = capi.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (capi.llama_token * cap)()
-            n = capi.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            raise RuntimeError(f"tokenization failed ({n})")
-        return list(buf[:n])
-
-    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The UTF-8 bytes of one token (may be part of a character)."""
-        if self._ctx is None:
-            raise self._closed_error()
-        if not special and token in self._pieces:
-            return self._pieces[token]
-        if not 0 <= token < self.n_vocab:
-            raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
-        buf = ctypes.create_string_buffer(64)
-        n = capi.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = capi.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
-        piece = buf.raw[:n]
-        if not special:
-            self._pieces[int(token)] = piece
-        return piece
-
-    def is_eog(self, token: int) -> bool:
-        if self._ctx is None:
-            raise self._closed_error()
-        eog = self._eog.get(token)
-        if eog is None:
-            if not 0 <= token < self.n_vocab:
-                raise ValueError(f"token id must be in [0, {self.n_vocab}), got {token}")
-            eog = self._eog[int(token)] = bool(capi.llama_vocab_is_eog(self._vocab, token))
-        return eog
-
-    def special_token_text(self, token: int) -> str:
-        return self.token_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
-
-    def bos_token(self) -> int:
-        if self._ctx is None:
-            raise self._closed_error()
-        return int(capi.llama_vocab_bos(self._vocab))
-
-    def eos_token(self) -> int:
-        if self._ctx is None:
-            raise self._closed_error()
-        return int(capi.llama_vocab_eos(self._vocab))
-
-    def constraint_tokenizer(self) -> "llguidance.LLTokenizer":
-        """The vocabulary as llguidance's tokenizer, for constrained decoding; built once per model (~1 s
-        for a 50k vocabulary), every end-of-generation token an end of the grammar's text."""
-        if self._ctx is None:
-            raise self._closed_error()
-        with self._shared._lock:
-            if self._shared.constraint_tokenizer is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
-                eog = [t for t in range(self.n_vocab) if capi.llama_vocab_is_eog(self._vocab, t)]
-                with warnings.catch_warnings():  # it reads each token's attributes by a deprecated name
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    self._shared.constraint_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=eog or None)
-            return self._shared.constraint_tokenizer
-
-    def chat_template(self) -> str | None:
-        if self._ctx is None:
-            raise self._closed_error()
-        raw = capi.llama_model_chat_template(self._model, None)
-        return raw.decode("utf-8") if raw else None
-
     # -- lifetime --------------------------------------------------------------------------
     def fork(self, *, n_ctx: int | None = None, n_seq_max: int | None = None, kv_unified: bool | None = None) -> "Target":
         """A new context with this one's settings (or those given) on the same loaded model (weights are not
@@ -1050,7 +968,8 @@ class Target(NativeResource):
         if ctx is None:
             return
         self._ctx = None  # first, so nothing can reach the context while it is freed
-        self._mem = self._vocab = self._model = None
+        self.vocab.close()
+        self._mem = self._model = None
         if self._owned:
             capi.llama_free(ctx)
         self._shared.release()

@@ -74,7 +74,7 @@ def calibrate(
     p0 = max(1, target.pos_max(0) + 1)
     if block < 2 or p0 + block > min(target.n_ctx_seq, drafter.n_ctx):
         raise ValueError(f"no room to calibrate a block of {block}: {p0} positions cached, context {target.n_ctx_seq}")
-    token = max(0, target.bos_token())
+    token = max(0, target.vocab.bos_token())
     with _timing_position(target, memory, token) as p0:
         return _calibrate_at(p0, target, drafter, memory, block, token, budget_s, smoothing)
 
@@ -176,7 +176,7 @@ def calibrate_verify(
     if top < 2:
         raise ValueError(f"no room to calibrate: {p0 - 1} positions cached, context {target.n_ctx_seq}")
     sizes = sorted({n for n in VERIFY_CALIBRATION_SIZES if n <= top} | {top})
-    token = max(0, target.bos_token())
+    token = max(0, target.vocab.bos_token())
     verify: dict[int, float] = {}
     rollback: dict[int, float] = {}
     with _timing_position(target, memory, token) as p0:

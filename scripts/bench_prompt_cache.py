@@ -57,10 +57,10 @@ def agent_prompt(session: Session, n_tokens: int) -> list[int]:
             + "\n<|im_end|>\n<|im_start|>user\nHere is session.py and the modules it holds its parts in:\n\n")
     tail = "\n\nWhat does Session.reset do?<|im_end|>\n<|im_start|>assistant\n"
     text = "\n\n".join((package / name).read_text() for name in SESSION_SOURCES)
-    body = session.target.tokenize(head + text + tail)
+    body = session.target.vocab.tokenize(head + text + tail)
     while len(body) > n_tokens and text:
         text = text[: int(len(text) * n_tokens / len(body) * 0.98)]
-        body = session.target.tokenize(head + text + tail)
+        body = session.target.vocab.tokenize(head + text + tail)
     return body
 
 

@@ -72,7 +72,7 @@ def collect(args: argparse.Namespace) -> None:
             for _ in range(args.max_tokens):  # plain greedy decoding: the target's own continuation
                 tok = int(np.argmax(target.output_logits()[-1]))
                 seq.append(tok)
-                if target.is_eog(tok) or len(seq) >= target.n_ctx_seq - slots - 2:
+                if target.vocab.is_eog(tok) or len(seq) >= target.n_ctx_seq - slots - 2:
                     break
                 target.decode([tok], len(seq) - 1, logits=True)
                 feats.append(target.features(1))
@@ -264,10 +264,10 @@ def curve(args: argparse.Namespace) -> None:
     rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= args.max_rows]
     with Target.open(embedded_target(), n_ctx=1024, n_batch=256, n_seq_max=max(1, max(rows) - 1),
                      kv_unified=True, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads) as t:
-        prefix = (t.tokenize("The quick brown fox jumps over the lazy dog. ") * 32)[:256]
+        prefix = (t.vocab.tokenize("The quick brown fox jumps over the lazy dog. ") * 32)[:256]
         t.decode(prefix[:-1], 0, logits=False)
         n_past = len(prefix) - 1
-        words = [t.tokenize(w, add_special=False)[0] for w in (" the", " a", " it", " he", " we", " to", " of", " in")]
+        words = [t.vocab.tokenize(w, add_special=False)[0] for w in (" the", " a", " it", " he", " we", " to", " of", " in")]
         ids = np.array([words] * 15)
 
         def median(step) -> float:

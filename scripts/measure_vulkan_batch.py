@@ -45,7 +45,7 @@ def measure(path: Path, rows: list[int], prefixes: list[int]) -> dict:
         where = placement(t.model, -1)
         if not where.gpus or where.on_cpu:
             raise SystemExit(f"{path}: not every layer on a GPU device ({where.device})")
-        tokens = t.tokenize(TEXT)
+        tokens = t.vocab.tokenize(TEXT)
         if len(tokens) < max(prefixes) + n:
             raise SystemExit(f"the text has {len(tokens)} tokens, fewer than prefix {max(prefixes)} + {n} rows")
         out = {r: {"max_abs": 0.0, "argmax_differs": 0} for r in rows}

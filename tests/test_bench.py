@@ -213,7 +213,7 @@ def test_reference_peer_counts_tau_with_the_zlab_implementation(embedded_target,
     from dflash_gguf.target import Target
 
     with Target.open(embedded_target, n_ctx=128, n_batch=64, n_threads=1) as target:
-        tokens = target.tokenize("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
+        tokens = target.vocab.tokenize("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
     result = reference_tau(embedded_target, reference_checkpoint, [PeerPrompt("p", "", tokens)], max_tokens=4)
     assert result.available, result.reason
     (generation,) = result.runs["p"]

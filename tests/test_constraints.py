@@ -126,7 +126,7 @@ def test_sampling_follows_the_masked_target_distribution(pair):
     assert pair.last_stats.n_drafted > 0
     first = Counter(p[0] for p in pairs).most_common(1)[0][0]
     second = [p[1] for p in pairs if p[0] == first]
-    constraint = Constraint(pair.target.constraint_tokenizer(), GenerationConfig(regex=regex).constraint,
+    constraint = Constraint(pair.target.vocab.constraint_tokenizer(), GenerationConfig(regex=regex).constraint,
                             pair.target.n_vocab)
     constraint.commit([first])
     pair.reset()
@@ -150,8 +150,8 @@ def test_a_bad_constraint_is_refused_before_anything_runs(pair, kwargs, field):
 
 def test_masking_a_block_leaves_the_matcher_where_it_was(pair):
     spec = GenerationConfig(json_schema=PERSON).constraint
-    c = Constraint(pair.target.constraint_tokenizer(), spec, pair.target.n_vocab)
-    opening = pair.target.tokenize('{"name": "A', add_special=False, parse_special=False)
+    c = Constraint(pair.target.vocab.constraint_tokenizer(), spec, pair.target.n_vocab)
+    opening = pair.target.vocab.tokenize('{"name": "A', add_special=False, parse_special=False)
     before = c.allowed()
     logits = np.zeros((len(opening) + 1, pair.target.n_vocab), dtype=np.float32)
     masked = c.mask_block(logits, opening)
@@ -177,8 +177,8 @@ def test_a_json_reply_cannot_run_on_in_blank_space(pair, source):
         thinking = Thinking("<think>", "</think>", opened=True)
         spec = ConstraintSpec("grammar", compile_grammar("grammar", thinking.constrain_after(json_answer(schema_text(PERSON)))))
         head = "Fine.</think>\n\n{"
-    c = Constraint(pair.target.constraint_tokenizer(), spec, pair.target.n_vocab)
-    tokenize = lambda text: pair.target.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    c = Constraint(pair.target.vocab.constraint_tokenizer(), spec, pair.target.n_vocab)
+    tokenize = lambda text: pair.target.vocab.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
     c.commit(tokenize(head + "\n\n" + " " * 20))
     assert c.valid_prefix(tokenize(" ")) == 0 and c.valid_prefix(tokenize("\n")) == 0
     assert c.valid_prefix(tokenize('"name"')) > 0
@@ -197,9 +197,9 @@ def test_a_schemas_own_whitespace_options_win(pair, source):
         thinking = Thinking("<think>", "</think>", opened=True)
         return ConstraintSpec("grammar", compile_grammar("grammar", thinking.constrain_after(json_answer(schema_text(schema)))))
 
-    c = Constraint(pair.target.constraint_tokenizer(), constraint({**PERSON, "x-guidance": {"whitespace_flexible": False}}),
+    c = Constraint(pair.target.vocab.constraint_tokenizer(), constraint({**PERSON, "x-guidance": {"whitespace_flexible": False}}),
                    pair.target.n_vocab)
-    tokenize = lambda text: pair.target.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+    tokenize = lambda text: pair.target.vocab.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
     c.commit(tokenize("{" if source == "json_schema" else "ok</think>{"))
     assert c.valid_prefix(tokenize(" ")) == 0 and c.valid_prefix(tokenize('"name"')) > 0
     assert constraint({**PERSON, "x-guidance": None}) is not None

@@ -193,7 +193,7 @@ def test_calibrate_measures_real_costs_and_leaves_caches_alone(embedded_target, 
 
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as target:
         with Drafter(dflash_gguf_path, target) as drafter:
-            prompt = target.tokenize("The capital of France is")
+            prompt = target.vocab.tokenize("The capital of France is")
             target.decode(prompt, 0, logits="last")
             drafter.inject(target.features(len(prompt)), 0)
             before = target.logits(len(prompt) - 1)
@@ -282,7 +282,7 @@ def test_lookup_leaves_the_cycle_to_a_better_drafter() -> None:
     for _ in range(60):
         drafter.observe(15, 15)  # the drafter's blocks always pass
     policy = AdaptivePolicy(model)
-    choice = policy.choose([lookup, Offer("dflash", 15, controller=drafter)])
+    choice = policy.choose([lookup, Offer("dflash", 15, schedule=drafter)])
     assert choice.source == "dflash" and choice.n_draft == 15
     # without the drafter on offer, the same lookup draft is worth verifying
     assert policy.choose([lookup]).source == "lookup"
@@ -309,7 +309,7 @@ def test_lookup_drafts_while_the_drafter_is_set_aside() -> None:
     lookup_rate = lookup.expected[lookup_alone.n_draft] / model.verify_s(lookup_alone.n_draft + 1)
     assert faded_best > lookup_rate  # the case that matters: the faded profile looks better than lookup
     assert drafter.drafting_rate() is None
-    choice = AdaptivePolicy(model).choose([lookup, Offer("dflash", 15, controller=drafter)])
+    choice = AdaptivePolicy(model).choose([lookup, Offer("dflash", 15, schedule=drafter)])
     assert choice.source == "lookup" and choice.n_draft == lookup_alone.n_draft
 
 

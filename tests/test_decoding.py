@@ -37,8 +37,8 @@ def flushed(stream: TextStream) -> str:
 
 def test_multibyte_characters_split_across_tokens_come_out_whole(target):
     text = "naïve café 🌍🚀 日本語"
-    tokens = target.tokenize(text, add_special=False)
-    assert any(not target.token_bytes(t).decode("utf-8", errors="ignore") for t in tokens)  # partial bytes exist
+    tokens = target.vocab.tokenize(text, add_special=False)
+    assert any(not target.vocab.token_bytes(t).decode("utf-8", errors="ignore") for t in tokens)  # partial bytes exist
     stream = TextStream(target, None)
     pieces, _ = feed_all(stream, tokens)
     assert all("\ufffd" not in p for p in pieces)
@@ -46,18 +46,18 @@ def test_multibyte_characters_split_across_tokens_come_out_whole(target):
 
 
 def test_stop_string_ends_the_text_before_it(target):
-    tokens = target.tokenize("alpha beta gamma delta", add_special=False)
+    tokens = target.vocab.tokenize("alpha beta gamma delta", add_special=False)
     stream = TextStream(target, ReplyReader(stops=("gamma",)))
     pieces, stopped = feed_all(stream, tokens)
     assert stopped and "".join(pieces) == "alpha beta "
 
 
 def test_text_that_may_begin_a_stop_string_waits_for_the_next_token(target):
-    tokens = target.tokenize("alpha beta gamma", add_special=False)
+    tokens = target.vocab.tokenize("alpha beta gamma", add_special=False)
     stream = TextStream(target, ReplyReader(stops=(" beta!",)))
     pieces, stopped = feed_all(stream, tokens)
     assert not stopped
-    i = next(i for i, t in enumerate(tokens) if target.token_bytes(t) == b" beta")
+    i = next(i for i, t in enumerate(tokens) if target.vocab.token_bytes(t) == b" beta")
     assert pieces[i] == ""  # " beta" could start " beta!" so it is held back ...
     assert pieces[i + 1] == " beta gamma"  # ... and released once " gamma" rules that out
     assert "".join(pieces) + flushed(stream) == "alpha beta gamma"
@@ -67,13 +67,13 @@ def test_every_character_keeps_the_source_of_the_token_that_produced_it(target):
     """Held-back text (a possible stop string, a character split across tokens) comes out later, but with
     its own token's source, not the source of the token that released it."""
     text = "naïve 😀 café — ok"
-    tokens = target.tokenize(text, add_special=False)
+    tokens = target.vocab.tokenize(text, add_special=False)
     sources = [SOURCES[i % 3] for i in range(len(tokens))]
     want: list[tuple[str, TokenSource]] = []  # each character with the source of the token completing its bytes
     decoder = codecs.getincrementaldecoder("utf-8")()
     for tok, src in zip(tokens, sources):
-        want += [(c, src) for c in decoder.decode(target.token_bytes(tok))]
-    assert any(not target.token_bytes(t).decode("utf-8", errors="ignore").strip() for t in tokens)  # a split emoji
+        want += [(c, src) for c in decoder.decode(target.vocab.token_bytes(tok))]
+    assert any(not target.vocab.token_bytes(t).decode("utf-8", errors="ignore").strip() for t in tokens)  # a split emoji
     stream = TextStream(target, ReplyReader(stops=("café!",)))  # "caf" may begin the stop string: held back, then released
     shown: list[tuple[str, TokenSource]] = []
     for tok, src in zip(tokens, sources):

@@ -33,7 +33,7 @@ def _reference_block(ref, target, drafter, embeddings):
     """Features from the real target, then the torch forward over [last, mask x 15]: (hidden, last, n_ctx)."""
     target.clear()
     drafter.clear()
-    tokens = target.tokenize(PROMPT)
+    tokens = target.vocab.tokenize(PROMPT)
     target.decode(tokens, 0)
     features = target.features(len(tokens))
     drafter.inject(features, 0)
@@ -102,7 +102,7 @@ def test_dflash2_selector_matches_the_reference(target, embeddings, dflash2_gguf
 def test_sampled_dflash2_proposal_carries_its_candidate_distribution(target, dflash2_gguf_path):
     with Drafter(dflash2_gguf_path, target) as drafter:
         target.clear()
-        tokens = target.tokenize(PROMPT)
+        tokens = target.vocab.tokenize(PROMPT)
         target.decode(tokens, 0)
         drafter.inject(target.features(len(tokens)), 0)
         p = drafter.propose(7, len(tokens), 5, SamplingParams(temperature=1.0), np.random.default_rng(0))

@@ -114,7 +114,7 @@ def test_the_greedy_check_sees_a_wrong_rollback(hybrid_models, reference):
     and gets wrong) changes the output. Done by hand with seq_rm, as the memory refuses to do it."""
     want = reference("qwen35")
     with Target.open(hybrid_models.target("qwen35"), n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, n_rs_seq=15) as t:
-        prompt = t.tokenize(PROMPT)
+        prompt = t.vocab.tokenize(PROMPT)
         t.decode(prompt, 0)
         t.decode(want[:8], len(prompt), logits=True)
         t.decode(want[8:12], len(prompt) + 8, logits=True)

@@ -38,7 +38,7 @@ def test_a_quantized_state_is_smaller(embedded_target):
     for kv in ("f16", "q8_0", "q4_0"):
         with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1, type_k=kv, type_v=kv) as t:
             assert (t.type_k, t.type_v) == (kv, kv)
-            t.decode(t.tokenize(PROMPT * 8)[:64], 0, logits=False)
+            t.decode(t.vocab.tokenize(PROMPT * 8)[:64], 0, logits=False)
             sizes[kv] = len(t.save_sequence())
     assert 0.45 < sizes["q8_0"] / sizes["f16"] < 0.6 and 0.25 < sizes["q4_0"] / sizes["f16"] < 0.35
 

@@ -89,8 +89,8 @@ def test_sampled_lookup_tokens_follow_the_target_distribution(embedded_target):
     with Session(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as s, \
             Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as reference:
         runs = [s.generate(PROMPT, max_tokens=3, temperature=1.0, seed=seed, block_size=2) for seed in range(160)]
-        prompt = reference.tokenize(PROMPT)
-        paris = reference.tokenize(" Paris", add_special=False)[0]
+        prompt = reference.vocab.tokenize(PROMPT)
+        paris = reference.vocab.tokenize(" Paris", add_special=False)[0]
         after = [r.tokens[1] for r in runs if r.tokens[0] == paris and len(r.tokens) >= 2]
         assert all(r.stats.per_source["lookup"].n_drafted >= 1 for r in runs if r.tokens[0] == paris)
         assert len(after) > 40

@@ -535,7 +535,7 @@ def test_sampled_tokens_after_an_mtp_draft_follow_the_target_distribution(mtp_ta
         first = max(set(firsts), key=firsts.count)
         after = [r.tokens[1] for r in runs if r.tokens[0] == first]
         assert len(after) > 60
-        prompt = reference.tokenize("Good morning!")
+        prompt = reference.vocab.tokenize("Good morning!")
         probs = next_token_probs(reference, prompt + [first], params)
         assert chi_square_p_value(after, probs) > ALPHA
         with Target.open(mtp_target, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, load_mtp=True) as t:

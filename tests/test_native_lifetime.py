@@ -28,13 +28,13 @@ TARGET_CALLS = [
     ("remove", lambda t: t.remove(0, 0)),
     ("pos_max", lambda t: t.pos_max(0)),
     ("clear", lambda t: t.clear()),
-    ("tokenize", lambda t: t.tokenize("hello")),
-    ("token_bytes", lambda t: t.token_bytes(1)),
-    ("special_token_text", lambda t: t.special_token_text(1)),
-    ("is_eog", lambda t: t.is_eog(1)),
-    ("bos_token", lambda t: t.bos_token()),
-    ("eos_token", lambda t: t.eos_token()),
-    ("chat_template", lambda t: t.chat_template()),
+    ("tokenize", lambda t: t.vocab.tokenize("hello")),
+    ("token_bytes", lambda t: t.vocab.token_bytes(1)),
+    ("special_token_text", lambda t: t.vocab.special_token_text(1)),
+    ("is_eog", lambda t: t.vocab.is_eog(1)),
+    ("bos_token", lambda t: t.vocab.bos_token()),
+    ("eos_token", lambda t: t.vocab.eos_token()),
+    ("chat_template", lambda t: t.vocab.chat_template()),
     ("meta", lambda t: t.meta("general.architecture")),
     ("fingerprint (uncached)", lambda t: (setattr(t, "_fingerprint", None), t.fingerprint())),
     ("token_embeddings", lambda t: t.token_embeddings()),
@@ -73,7 +73,7 @@ def test_every_target_entry_raises_after_close(embedded_target, name, call):
 
 def test_close_twice_and_context_manager(embedded_target):
     with _open_target(embedded_target) as t:
-        t.decode(t.tokenize(PROMPT), 0)
+        t.decode(t.vocab.tokenize(PROMPT), 0)
     assert t.closed
     t.close()
     t.close()
@@ -83,7 +83,7 @@ def test_close_twice_and_context_manager(embedded_target):
 
 def test_a_fork_keeps_the_shared_model_alive_after_its_parent_closes(embedded_target):
     parent = _open_target(embedded_target)
-    tokens = parent.tokenize(PROMPT)
+    tokens = parent.vocab.tokenize(PROMPT)
     parent.decode(tokens, 0)
     expected = parent.logits(len(tokens) - 1)
     fork = parent.fork()
@@ -94,7 +94,7 @@ def test_a_fork_keeps_the_shared_model_alive_after_its_parent_closes(embedded_ta
     fork.capture([2, 9])
     fork.decode(tokens, 0)  # runs on the shared model's weights
     np.testing.assert_array_equal(fork.logits(len(tokens) - 1), expected)
-    assert fork.tokenize(PROMPT) == tokens and fork.token_bytes(tokens[-1])
+    assert fork.vocab.tokenize(PROMPT) == tokens and fork.vocab.token_bytes(tokens[-1])
     fork.close()
     assert shared.users == 0 and shared.ptr is None  # freed with its last user
     fork.close()
@@ -108,7 +108,7 @@ def test_a_fork_keeps_the_shared_model_alive_after_its_parent_closes(embedded_ta
 def pair(embedded_target):
     t = Target.open(embedded_target, n_ctx=256, n_batch=32, n_threads=1)
     d = Drafter(embedded_drafter(), t)
-    tokens = t.tokenize(PROMPT)
+    tokens = t.vocab.tokenize(PROMPT)
     t.decode(tokens, 0)
     d.inject(t.features(len(tokens)), 0)
     yield t, d, tokens

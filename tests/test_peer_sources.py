@@ -134,7 +134,7 @@ def test_the_policy_chooses_a_new_source_when_it_pays_among_any_number_of_peers(
     drafter = BlockController(15, costs)
     for _ in range(60):
         drafter.observe(15, 15)
-    peers = [bad, good, Offer("dflash", 15, controller=drafter)]
+    peers = [bad, good, Offer("dflash", 15, schedule=drafter)]
     assert AdaptivePolicy(costs).choose(peers).source == "dflash"
     # a drafter set aside (its blocks never pass): the toy takes the cycle, whatever the faded profile says
     idle = BlockController(15, costs)
@@ -143,7 +143,7 @@ def test_the_policy_chooses_a_new_source_when_it_pays_among_any_number_of_peers(
     for _ in range(25):
         idle.choose()  # plain cycles: the failures fade and the profile drifts back to its prior
     assert idle.drafting_rate() is None
-    choice = AdaptivePolicy(costs).choose([bad, good, Offer("dflash", 15, controller=idle)])
+    choice = AdaptivePolicy(costs).choose([bad, good, Offer("dflash", 15, schedule=idle)])
     assert choice.source == "continuation" and choice.n_draft == 8 and choice.kind is StepKind.DRAFT
 
 

@@ -30,7 +30,7 @@ AGENT = (
 def states(embedded_target):
     """Real target states (llama_state_seq bytes) of the embedded target after 8, 16, ... 64 tokens."""
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as t:
-        tokens = t.tokenize(AGENT)[:64]
+        tokens = t.vocab.tokenize(AGENT)[:64]
         out = {}
         for n in (8, 16, 32, 64):
             t.remove(0, 0)

@@ -115,7 +115,7 @@ def test_a_reply_reader_gives_the_thought_then_the_calls():
 
 
 def decoded(target, tokens):
-    return b"".join(target.token_bytes(t) for t in tokens).decode()
+    return b"".join(target.vocab.token_bytes(t) for t in tokens).decode()
 
 
 @pytest.mark.parametrize("choice", ["required", "auto"])
@@ -125,16 +125,16 @@ def test_a_tool_grammar_holds_the_reply_after_the_thought(embedded_session, choi
     target = embedded_session.target
     plan = plan_tools((TEMPLATES / "hermes.jinja").read_text(), [WEATHER], choice)
     grammar = QWEN35.constrain_after(plan.grammar)
-    c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+    c = Constraint(target.vocab.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
                    target.n_vocab)
-    c.commit(target.tokenize("Should I write <tool_call> now? Later.\n", add_special=False))
+    c.commit(target.vocab.tokenize("Should I write <tool_call> now? Later.\n", add_special=False))
     assert c.allowed().sum() > 1000 and not c.forced()
-    c.commit(target.tokenize("</think>\n\n<tool_call>", add_special=False))
+    c.commit(target.vocab.tokenize("</think>\n\n<tool_call>", add_special=False))
     assert decoded(target, c.forced()) == '\n{"name": "get_weather", "arguments": {"city":'
     if choice == "required":  # without a thought the forced grammar admits only a call from the first token
-        bare = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", plan.grammar)),
+        bare = Constraint(target.vocab.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", plan.grammar)),
                           target.n_vocab)
-        assert bare.valid_prefix(target.tokenize("Should I", add_special=False)) == 0
+        assert bare.valid_prefix(target.vocab.tokenize("Should I", add_special=False)) == 0
 
 
 def test_a_json_schema_holds_the_reply_after_the_thought(embedded_session):
@@ -142,15 +142,15 @@ def test_a_json_schema_holds_the_reply_after_the_thought(embedded_session):
     schema = schema_text({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
                           "additionalProperties": False})
     grammar = QWEN35.constrain_after(json_answer(schema))
-    c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+    c = Constraint(target.vocab.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
                    target.n_vocab)
-    c.commit(target.tokenize("It wants {json}, so: </thin", add_special=False))
+    c.commit(target.vocab.tokenize("It wants {json}, so: </thin", add_special=False))
     assert c.allowed().sum() > 1000  # still the thought: "</thin" is not the marker yet
-    c.commit(target.tokenize("k>\n\n{", add_special=False))
+    c.commit(target.vocab.tokenize("k>\n\n{", add_special=False))
     assert c.allowed().sum() < 1000  # the schema now: whitespace or its one key
-    answer = target.tokenize(' "n": 7}', add_special=False)
+    answer = target.vocab.tokenize(' "n": 7}', add_special=False)
     assert c.valid_prefix(answer) == len(answer)
-    assert c.valid_prefix(target.tokenize(' "m": 7}', add_special=False)) < len(answer)
+    assert c.valid_prefix(target.vocab.tokenize(' "m": 7}', add_special=False)) < len(answer)
 
 
 def test_a_forced_call_may_follow_a_thought_the_model_opens_itself(embedded_session):
@@ -159,13 +159,13 @@ def test_a_forced_call_may_follow_a_thought_the_model_opens_itself(embedded_sess
     target = embedded_session.target
     grammar = QWEN3.constrain_after(plan_tools((TEMPLATES / "hermes.jinja").read_text(), [WEATHER], "required").grammar)
     for reply in ("<think>\nI should <tool_call> now.\n</think>\n\n<tool_call>", "<tool_call>", "\n<think>x</think><tool_call>"):
-        c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+        c = Constraint(target.vocab.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
                        target.n_vocab)
-        c.commit(target.tokenize(reply, add_special=False))
+        c.commit(target.vocab.tokenize(reply, add_special=False))
         assert decoded(target, c.forced()) == '\n{"name": "get_weather", "arguments": {"city":', reply
-    c = Constraint(target.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
+    c = Constraint(target.vocab.constraint_tokenizer(), ConstraintSpec("grammar", compile_grammar("grammar", grammar)),
                    target.n_vocab)
-    assert c.valid_prefix(target.tokenize("Sure", add_special=False)) == 0  # free text is still no answer
+    assert c.valid_prefix(target.vocab.tokenize("Sure", add_special=False)) == 0  # free text is still no answer
 
 
 @pytest.mark.parametrize("tools, choice", [(None, None), ([WEATHER], "none")])
@@ -210,8 +210,8 @@ def test_enable_thinking_false_closes_the_thought_in_the_prompt(thinker):
     """The Session renders template variables: Qwen3.5's prompt ends inside a thought unless told otherwise."""
     on, _ = thinker.render_chat([{"role": "user", "content": "Hi"}])
     off, _ = thinker.render_chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
-    assert thinking_for(thinker.target.chat_template(), on).opened
-    assert thinking_for(thinker.target.chat_template(), off) is None
+    assert thinking_for(thinker.target.vocab.chat_template(), on).opened
+    assert thinking_for(thinker.target.vocab.chat_template(), off) is None
     assert off.endswith("<think>\n\n</think>\n\n")
     with pytest.raises(SettingError):
         thinker.render_chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"tools": []})

@@ -212,7 +212,7 @@ def test_two_token_samples_over_rpc_follow_the_target_distribution(remote, embed
     pairs = [remote.generate(PROMPTS[0], max_tokens=2, temperature=1.0, seed=seed, block_size=2).tokens
              for seed in range(240)]
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as reference:
-        prompt = reference.tokenize(PROMPTS[0])
+        prompt = reference.vocab.tokenize(PROMPTS[0])
 
         def probs(tokens: list[int]):
             reference.clear()

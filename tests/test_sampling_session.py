@@ -116,7 +116,7 @@ def test_greedy_with_penalties_under_a_grammar(trained):
 def test_logprobs_are_the_targets_log_softmax(trained, plain):
     r = trained.generate(PROMPTS[0], max_tokens=12, block_size=5, logprobs=3, repeat_penalty=1.3)
     assert len(r.logprobs) == len(r.tokens) and r.stats.n_accepted > 0
-    prompt = plain.tokenize(PROMPTS[0])
+    prompt = plain.vocab.tokenize(PROMPTS[0])
     plain.clear()
     plain.decode(prompt + r.tokens[:-1], 0, logits=True)
     x = plain.output_logits()[len(prompt) - 1 :].astype(np.float64)
@@ -193,7 +193,7 @@ def test_sampled_third_token_follows_the_penalised_target(request, plain, which,
     runs = [s.generate(CHI_PROMPT, max_tokens=3, seed=seed, block_size=3, **settings) for seed in range(300)]
     assert all(len(r.tokens) == 3 for r in runs)
     assert sum(r.stats.n_drafted for r in runs) > 0 or which == "lookup"
-    prompt = plain.tokenize(CHI_PROMPT)
+    prompt = plain.vocab.tokenize(CHI_PROMPT)
     first = [r.tokens[0] for r in runs]
     assert chi_square_p_value(first, exact_row(plain, prompt, [], settings)) > ALPHA
     head = Counter(tuple(r.tokens[:2]) for r in runs).most_common(1)[0][0]

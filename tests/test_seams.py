@@ -93,7 +93,7 @@ def run(target: Target, prompt: list[int], source: DraftSource | None, memory=No
 
 
 def test_a_scripted_source_runs_through_the_real_loop_losslessly(target):
-    prompt = target.tokenize(PROMPT)
+    prompt = target.vocab.tokenize(PROMPT)
     plain, _ = run(target, prompt, None)
     want = [t for s in plain for t in s.tokens]
     assert all(s.kind in (StepKind.PREFILL, StepKind.PLAIN) for s in plain)
@@ -121,7 +121,7 @@ def test_a_scripted_source_runs_through_the_real_loop_losslessly(target):
 def test_a_point_mass_source_samples_through_the_real_loop(target):
     """A deterministic proposal carries no q: with sampling, the loop accepts each drafted token with the
     target's probability of it (tested for its law in test_session_sampling with lookup drafts)."""
-    prompt = target.tokenize(PROMPT)
+    prompt = target.vocab.tokenize(PROMPT)
     plain, _ = run(target, prompt, None)
     want = [t for s in plain for t in s.tokens]
     script = {len(prompt) + i: tok for i, tok in enumerate(want)}
@@ -134,7 +134,7 @@ def test_a_point_mass_source_samples_through_the_real_loop(target):
 
 
 def test_stats_are_one_view_of_the_steps(target):
-    prompt = target.tokenize(PROMPT)
+    prompt = target.vocab.tokenize(PROMPT)
     plain, _ = run(target, prompt, None)
     want = [t for s in plain for t in s.tokens]
     script = {len(prompt) + i: tok for i, tok in enumerate(want)}
@@ -152,7 +152,7 @@ def test_stats_are_one_view_of_the_steps(target):
 
 def test_in_reply_speedup_of_a_plain_reply_is_one(target):
     """Like for like: an all-plain reply is compared with its own plain cycles, so it reads 1.0x."""
-    steps, _ = run(target, target.tokenize(PROMPT), None)
+    steps, _ = run(target, target.vocab.tokenize(PROMPT), None)
     b = collect(steps)
     assert b.plain_cycles >= MIN_BASELINE_CYCLES
     stats = b.stats(wall_s=1.0, n_prompt_tokens=1, n_cached_tokens=0, block_size=None, speculative=False)

@@ -47,7 +47,7 @@ def test_chat_logprobs_are_the_targets_streamed_and_not(oai, ref):
     assert len(content) == len(want.tokens) == got.usage.completion_tokens
     assert "".join(c.token for c in content) == got.choices[0].message.content == want.text
     for c, w in zip(content, want.logprobs):
-        assert bytes(c.bytes) == ref.target.token_bytes(w.token)
+        assert bytes(c.bytes) == ref.target.vocab.token_bytes(w.token)
         assert c.logprob == pytest.approx(w.logprob, abs=1e-4)
         assert len(c.top_logprobs) == 3
         assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in w.top], abs=1e-4)

@@ -207,7 +207,7 @@ def test_seeded_sampling_is_reproducible(session):
 def test_context_limit_ends_with_length_and_never_overflows(embedded_target, dflash_gguf_path):
     with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1) as s:
         prompt = "one two three four " * 60
-        n_prompt = len(s.target.tokenize(prompt))
+        n_prompt = len(s.target.vocab.tokenize(prompt))
         assert 230 < n_prompt < 256
         r = s.generate(prompt, max_tokens=100, block_size=16)
         assert r.finish_reason == "length"

@@ -64,7 +64,7 @@ def test_two_token_samples_follow_the_target_distribution(session, reference, t1
     pairs = t1_pairs if params == T1 else two_token_samples(session, params, 120)
     n = len(pairs)
     assert all(len(p) == 2 for p in pairs)
-    prompt = reference.tokenize(PROMPT)
+    prompt = reference.vocab.tokenize(PROMPT)
     first = [p[0] for p in pairs]
     assert chi_square_p_value(first, next_token_probs(reference, prompt, params)) > ALPHA
 
@@ -76,7 +76,7 @@ def test_two_token_samples_follow_the_target_distribution(session, reference, t1
 
 def test_the_chi_square_check_rejects_a_wrong_distribution(reference, t1_pairs):
     """The same check against the wrong row (the prompt's, not the one after the first token) must fail."""
-    prompt = reference.tokenize(PROMPT)
+    prompt = reference.vocab.tokenize(PROMPT)
     mode = Counter(p[0] for p in t1_pairs).most_common(1)[0][0]
     second = [p[1] for p in t1_pairs if p[0] == mode]
     assert chi_square_p_value(second, next_token_probs(reference, prompt, T1)) < ALPHA

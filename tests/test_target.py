@@ -33,14 +33,14 @@ def test_geometry_of_the_embedded_target(target):
 
 
 def test_greedy_continuation_is_sensible(fresh):
-    toks = fresh.tokenize("The capital of France is")
+    toks = fresh.vocab.tokenize("The capital of France is")
     fresh.decode(toks, 0)
-    assert fresh.token_bytes(int(fresh.logits(len(toks) - 1).argmax())) == b" Paris"
+    assert fresh.vocab.token_bytes(int(fresh.logits(len(toks) - 1).argmax())) == b" Paris"
 
 
 def test_layer_zero_input_is_the_token_embedding(fresh):
     """Capture order and row order: layer input 0 is exactly the (dequantised) embedding row."""
-    toks = fresh.tokenize("one two three")
+    toks = fresh.vocab.tokenize("one two three")
     fresh.capture([0, 5])
     try:
         fresh.decode(toks, 0)
@@ -56,7 +56,7 @@ def test_layer_zero_input_is_the_token_embedding(fresh):
 def test_every_way_of_reading_features_gives_the_same_rows(fresh):
     """One row (the loop's plain cycle), one layer, and several rows of several layers are copied by
     different paths (Target.features): each row must be the same bytes whichever way it is read."""
-    toks = fresh.tokenize("one two three four five")
+    toks = fresh.vocab.tokenize("one two three four five")
     fresh.decode(toks, 0)
     whole = fresh.features(len(toks))
     for i in range(len(toks)):
@@ -74,7 +74,7 @@ def test_every_way_of_reading_features_gives_the_same_rows(fresh):
 def test_feature_rows_gather_decodes_as_the_loop_does(fresh):
     """The loop appends each decode's rows into one FeatureRows (no allocation per cycle): what it gathers,
     across a prefill and single-token decodes and past the buffer's first capacity, is what features() reads."""
-    toks = fresh.tokenize("one two three four five six seven")
+    toks = fresh.vocab.tokenize("one two three four five six seven")
     rows = FeatureRows(fresh.feature_width, capacity=1)
     fresh.decode(toks[:4], 0)
     expected = [fresh.features(4)]
@@ -94,7 +94,7 @@ def test_feature_rows_gather_decodes_as_the_loop_does(fresh):
 
 def test_logits_view_follows_the_last_decode(fresh):
     """output_logits reuses its view while libllama's buffer stays put: it must still show each decode's rows."""
-    toks = fresh.tokenize("Hello world, this is")
+    toks = fresh.vocab.tokenize("Hello world, this is")
     fresh.decode(toks, 0, logits=True)
     many = fresh.output_logits()
     assert many.shape == (len(toks), fresh.n_vocab) and not many.flags.writeable
@@ -110,8 +110,8 @@ def test_logits_view_follows_the_last_decode(fresh):
 
 
 def test_features_and_logits_do_not_depend_on_batch_neighbours(fresh):
-    a = fresh.tokenize("Hello world, this is")
-    b = fresh.tokenize("def f(x): return")
+    a = fresh.vocab.tokenize("Hello world, this is")
+    b = fresh.vocab.tokenize("def f(x): return")
     fresh.decode(a + b, list(range(len(a))) + list(range(len(b))), [0] * len(a) + [1] * len(b), logits=True)
     both_feats = fresh.features(len(b), offset=len(a))
     both_logits = fresh.output_logits()[len(a):].copy()
@@ -123,7 +123,7 @@ def test_features_and_logits_do_not_depend_on_batch_neighbours(fresh):
 
 
 def test_remove_rolls_the_cache_back(fresh):
-    toks = fresh.tokenize("Speculative decoding verifies a block of draft tokens")
+    toks = fresh.vocab.tokenize("Speculative decoding verifies a block of draft tokens")
     fresh.decode(toks, 0, logits=True)
     ref = fresh.logits(len(toks) - 1)
     fresh.remove(0, 5)
@@ -133,7 +133,7 @@ def test_remove_rolls_the_cache_back(fresh):
 
 
 def test_logits_flags_select_output_rows(fresh):
-    toks = fresh.tokenize("a b c d")
+    toks = fresh.vocab.tokenize("a b c d")
     fresh.decode(toks, 0, logits=[True, False, True, False])
     assert fresh.output_logits().shape == (2, 49152)
     np.testing.assert_array_equal(fresh.output_logits()[1], fresh.logits(2))

@@ -131,15 +131,15 @@ def test_the_template_renders_the_tools_the_calls_and_their_results(sessions):
 def test_auto_is_lazy_free_text_until_the_opener_then_only_a_call(sessions):
     s = sessions("hermes")
     plan = s.tool_plan([WEATHER, CLOCK], "auto")
-    tok = s.target.constraint_tokenizer()
+    tok = s.target.vocab.constraint_tokenizer()
     c = Constraint(tok, ConstraintSpec("grammar", compile_grammar("grammar", plan.grammar)), s.target.n_vocab)
-    c.commit(s.target.tokenize("Sure, I can look that up: {not a call} ", add_special=False))
+    c.commit(s.target.vocab.tokenize("Sure, I can look that up: {not a call} ", add_special=False))
     assert c.allowed().sum() > 1000 and not c.forced()  # free text, braces and all
-    c.commit(s.target.tokenize("<tool_call>", add_special=False))
-    forced = b"".join(s.target.token_bytes(t) for t in c.forced()).decode()
+    c.commit(s.target.vocab.tokenize("<tool_call>", add_special=False))
+    forced = b"".join(s.target.vocab.token_bytes(t) for t in c.forced()).decode()
     assert forced == '\n{"name": "get_'  # the opener leaves a call to one of the tools, nothing else
-    c.commit(s.target.tokenize(forced + "time", add_special=False))
-    assert b"".join(s.target.token_bytes(t) for t in c.forced()).decode().startswith('", "arguments": {"tz":')
+    c.commit(s.target.vocab.tokenize(forced + "time", add_special=False))
+    assert b"".join(s.target.vocab.token_bytes(t) for t in c.forced()).decode().startswith('", "arguments": {"tz":')
 
 
 # hermes in the fast tier; the other families (each its own model and drafter calibration) in the slow one

@@ -164,14 +164,14 @@ def reference(embedded_target):
 
 
 def _word_tree(target, anchor):
-    ids = np.array([[target.tokenize(w, add_special=False)[0] for w in WORDS]] * 6)
+    ids = np.array([[target.vocab.tokenize(w, add_special=False)[0] for w in WORDS]] * 6)
     return build_tree(anchor, ids, np.tile([0.5, 0.3, 0.1, 0.05], (6, 1)), 16)
 
 
 def test_a_tree_verify_computes_every_path_as_its_linear_block_would(unified):
     """Bit for bit: each root-to-leaf path of the tree batch against that path decoded alone."""
     t = unified
-    prompt = t.tokenize("The quick brown fox jumps over the lazy dog. Then")
+    prompt = t.vocab.tokenize("The quick brown fox jumps over the lazy dog. Then")
     n_past = len(prompt) - 1
     tree = _word_tree(t, prompt[-1])
     assert len(tree.leaves) > 4
@@ -193,7 +193,7 @@ def test_keeping_any_accepted_path_leaves_the_memory_plain_decoding_would_hold(u
     """After keep_path, the next token's logits are those of the committed sequence decoded from scratch,
     bit for bit: the kept cells are the path's, and in position order (flash attention sums in cell order)."""
     t = unified
-    prompt = t.tokenize("The quick brown fox jumps over the lazy dog. Then")
+    prompt = t.vocab.tokenize("The quick brown fox jumps over the lazy dog. Then")
     n_past = len(prompt) - 1
     tree = _word_tree(t, prompt[-1])
     for cut in (0, 1):

@@ -62,7 +62,7 @@ class SessionInfo:
             # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
             lookup=session.lookup,
             device=session.placement.device,
-            chat_template=session.target.chat_template(),
+            chat_template=session.target.vocab.chat_template(),
             prompt_cache=session.prompt_cache is not None,
             mtp=session.mtp,
         )

@@ -19,6 +19,7 @@ import numpy as np
 
 from dflash_gguf.config import GenerationConfig
 from dflash_gguf.convert.writer import atomic_output
+from dflash_gguf.defaults import FLASH_ATTN
 from dflash_gguf.memory import TargetMemory, memory_for, rs_seq_for
 from dflash_gguf.target import Target, check_gguf_file, quantize, system_info
 from dflash_gguf.timing import time_batch as timing_batch
@@ -112,14 +113,14 @@ def measure(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 10,
     n_threads: int = 2,
-    flash_attn: bool = True,
+    flash_attn: bool = FLASH_ATTN,
     generate_tokens: int = 64,
     drafter: Path | None = None,
 ) -> KernelReport:
     """Time a target batch of each size (all rows output logits, as verification needs) for each variant.
 
     Every repeat visits every variant and size in a rotating order; a warm-up pass comes first.
-    flash_attn defaults to on, as the Session opens its target. Then, unless generate_tokens is 0, greedy
+    flash_attn defaults to defaults.FLASH_ATTN, as the Session opens its target. Then, unless generate_tokens is 0, greedy
     plain generations of that many tokens through the Session (repeats // 10 interleaved rounds), and with
     a drafter, what its feature injection and draft passes cost next to the first variant.
     """
@@ -210,7 +211,7 @@ def _flash_attn_flip_agreement(reference: Target, path: Path, n_threads: int, fl
 
 
 def _teacher_forced_argmax(target: Target, text: str) -> np.ndarray:
-    tokens = target.tokenize(text)[: target.n_batch]
+    tokens = target.vocab.tokenize(text)[: target.n_batch]
     target.clear()
     target.decode(tokens, 0, logits=True)
     tops = np.argmax(target.output_logits(), axis=1)
@@ -292,7 +293,7 @@ def _agreement_texts() -> list[str]:
 
 
 def context_tokens(target: Target) -> list[int]:
-    tokens = [t for text in _agreement_texts() for t in target.tokenize(text)]
+    tokens = [t for text in _agreement_texts() for t in target.vocab.tokenize(text)]
     return tokens[:CONTEXT_TOKENS]
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dflash_gguf.defaults import FLASH_ATTN
 from dflash_gguf.stats import SourceStats
 from dflash_gguf.steps import Step, StepKind
 
@@ -61,7 +62,7 @@ def llama_cpp_python(
         n_ctx=n_ctx,
         n_threads=n_threads,
         n_threads_batch=n_threads,
-        flash_attn=True,
+        flash_attn=FLASH_ATTN,  # as our target: the same kernels
         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens) if lookup else None,
         verbose=False,
     )

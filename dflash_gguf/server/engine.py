@@ -85,8 +85,8 @@ class Engine:
         self.pool = SlotPool(sessions, config.max_queue)
         self.runs: set[Run] = set()
         first = sessions[0]
-        self.vocab = first.target  # read-only on the loop: tokenizing, token bytes, llguidance's tokenizer
-        self.token_bytes: Callable[..., bytes] = first.target.token_bytes
+        self.vocab = first.target.vocab  # read-only on the loop: tokenizing, token bytes, llguidance's tokenizer
+        self.token_bytes: Callable[..., bytes] = first.target.vocab.token_bytes
         self.template: ChatTemplate = first.chat_template
         self.placement = first.placement
         self.n_ctx: int = first.target.n_ctx_seq

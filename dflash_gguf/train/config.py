@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..defaults import FLASH_ATTN
 from ..kinds import DFLASH, kind_named, kind_names
 from .errors import TrainError
 
@@ -28,7 +29,7 @@ class TrainConfig:
     parallel: int = 16
     temperature: float = 0.0
     threads: int = 2
-    flash_attn: bool = True
+    flash_attn: bool = FLASH_ATTN
     top_k: int = 16  # target logits kept per response token for soft labels (0: none)
     from_archive: Path | None = None  # data stage: rebuild the caches from this token archive by prefill
     archive: Path | None = None  # archive stage output (None: OUT/tokens.npz)

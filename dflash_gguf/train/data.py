@@ -80,13 +80,13 @@ def chat_prompt_text(target: Target, user_text: str) -> str:
     """The target's chat template applied to one user message, ready for generation."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    template = target.chat_template()
+    template = target.vocab.chat_template()
     if not template:
         raise TrainError("the target GGUF has no chat template (tokenizer.chat_template)")
     formatter = Jinja2ChatFormatter(
         template,
-        eos_token=target.special_token_text(target.eos_token()),
-        bos_token=target.special_token_text(target.bos_token()),
+        eos_token=target.vocab.special_token_text(target.vocab.eos_token()),
+        bos_token=target.vocab.special_token_text(target.vocab.bos_token()),
     )
     return formatter(messages=[{"role": "user", "content": user_text}]).prompt
 
@@ -317,7 +317,7 @@ def generate(
             if p is None:
                 exhausted = True
                 return
-            toks = target.tokenize(chat_prompt_text(target, p.prompt), add_special=False, parse_special=True)
+            toks = target.vocab.tokenize(chat_prompt_text(target, p.prompt), add_special=False, parse_special=True)
             if len(toks) + 2 > min(settings.max_seq_len, target.n_ctx_seq):
                 skipped.append(p.id)
                 continue
@@ -362,7 +362,7 @@ def generate(
                 s.tokens.append(nxt)
                 n_generated += 1
                 n_response = len(s.tokens) - s.response_start
-                if target.is_eog(nxt) or n_response >= settings.max_new_tokens or len(s.tokens) >= settings.max_seq_len:
+                if target.vocab.is_eog(nxt) or n_response >= settings.max_new_tokens or len(s.tokens) >= settings.max_seq_len:
                     finished.append((s.prompt, np.asarray(s.tokens, dtype=np.int32), np.concatenate(s.features), s.response_start,
                                      _slot_topk(s, settings.top_k)))
                     target.remove(i, 0, -1)

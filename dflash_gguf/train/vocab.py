@@ -31,7 +31,7 @@ def prompt_token_counts(target_path: Path, prompts: Sequence[Prompt], n_vocab: i
     counts = np.zeros(n_vocab, dtype=np.int64)
     with Target.open(target_path, n_ctx=64, n_batch=8, n_threads=1) as target:
         for p in prompts:
-            counts += np.bincount(target.tokenize(p.prompt, add_special=False, parse_special=False), minlength=n_vocab)
+            counts += np.bincount(target.vocab.tokenize(p.prompt, add_special=False, parse_special=False), minlength=n_vocab)
     return counts
 
 
