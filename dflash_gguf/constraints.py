@@ -21,7 +21,6 @@ import numpy as np
 from .checks import nesting_depth
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
-from .steps import TokenSource
 
 # what a GenerationConfig may carry, each compiled by llguidance's own front end
 KINDS = ("grammar", "json_schema", "regex")
@@ -184,7 +183,6 @@ class ForcedTokenSource(DraftSource):
     accepted: its offer expects every drafted token to commit. One per generation, beside the Session's own."""
 
     name = "grammar"
-    provenance = TokenSource.GRAMMAR
 
     def __init__(self, constraint: Constraint, max_draft: int) -> None:
         self._constraint = constraint

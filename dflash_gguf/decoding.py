@@ -118,8 +118,8 @@ class StopCheck(Protocol):
 
 
 class TextStream:
-    """Incremental detokenisation, each character keeping the source of the token that produced it, given
-    out as the stop check settles it (all at once without one).
+    """Incremental detokenisation, each character keeping the provenance of the token that produced it (its
+    source's name), given out as the stop check settles it (all at once without one).
 
     Text comes out as (piece, source) pairs: held-back text keeps the source of the token that produced
     it, not of the token that released it.
@@ -129,7 +129,7 @@ class TextStream:
         self._token_bytes = target.vocab.token_bytes
         self._check = check
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._held: list[tuple[str, TokenSource]] = []  # fed to the check, not settled yet
+        self._held: list[tuple[str, str]] = []  # fed to the check, not settled yet
         self._given = 0  # characters given out
 
     @property
@@ -137,7 +137,7 @@ class TextStream:
         """The stop string that ended the text, once one has."""
         return None if self._check is None else self._check.stop_sequence
 
-    def feed(self, token: int, source: TokenSource) -> tuple[list[tuple[str, TokenSource]], bool]:
+    def feed(self, token: int, source: str) -> tuple[list[tuple[str, str]], bool]:
         """(text now safe to emit, whether a stop string completed) after one more token."""
         piece = self._decoder.decode(self._token_bytes(token))
         if self._check is None:  # nothing is ever held back
@@ -151,7 +151,7 @@ class TextStream:
             self._held = []
         return out, stopped
 
-    def flush(self, source: TokenSource) -> list[tuple[str, TokenSource]]:
+    def flush(self, source: str) -> list[tuple[str, str]]:
         """Everything held, and the decoder's tail (an incomplete character) as `source`'s."""
         tail = self._decoder.decode(b"", final=True)
         if self._check is None:
@@ -163,13 +163,13 @@ class TextStream:
         out, self._held = self._settled(), []
         return out
 
-    def _settled(self) -> list[tuple[str, TokenSource]]:
+    def _settled(self) -> list[tuple[str, str]]:
         """The held characters the check has settled since the last call, each with its source."""
         n = self._check.settled - self._given
         if n == 0:
             return []
         self._given += n
-        out: list[tuple[str, TokenSource]] = []
+        out: list[tuple[str, str]] = []
         while n > 0 and self._held:
             text, src = self._held[0]
             if len(text) <= n:
@@ -448,8 +448,8 @@ def _verify(logits: np.ndarray, candidate: Candidate | None, params: SamplingPar
 class _Committed:
     tokens: list[int]
     text: str
-    provenance: tuple[TokenSource, ...]
-    spans: tuple[tuple[str, TokenSource], ...]
+    provenance: tuple[str, ...]
+    spans: tuple[tuple[str, str], ...]
     finish_reason: str | None
     stop_sequence: str | None
     logprobs: tuple[TokenLogprob, ...]
@@ -460,12 +460,12 @@ class _Committed:
 
 
 def _commit(
-    new: list[int], provenance: Sequence[TokenSource], text: TextStream, target: Target, max_tokens: int,
+    new: list[int], provenance: Sequence[str], text: TextStream, target: Target, max_tokens: int,
     n_generated: int, logprobs: Sequence[TokenLogprob] | None = None,
 ) -> _Committed:
     """Apply the stop rules to freshly committed tokens: EOG, stop strings, max_tokens, in token order."""
     tokens: list[int] = []
-    pieces: list[tuple[str, TokenSource]] = []
+    pieces: list[tuple[str, str]] = []
     finish = None
     for i, (tok, src) in enumerate(zip(new, provenance)):
         if target.vocab.is_eog(tok):
@@ -489,13 +489,13 @@ def _commit(
     )
 
 
-def _spans(pieces: Sequence[tuple[str, TokenSource]]) -> tuple[tuple[str, TokenSource], ...]:
+def _spans(pieces: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
     """Adjacent pieces of the same provenance merged, empty ones dropped."""
-    out: list[tuple[str, TokenSource]] = []
+    out: list[tuple[str, str]] = []
     for piece, src in pieces:
         if not piece:
             continue
-        if out and out[-1][1] is src:
+        if out and out[-1][1] == src:
             out[-1] = (out[-1][0] + piece, src)
         else:
             out.append((piece, src))

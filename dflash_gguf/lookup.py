@@ -24,7 +24,6 @@ import numpy as np
 
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
-from .steps import TokenSource
 
 DEFAULT_SIZES = (2, 3, 4, 8)  # n-gram sizes indexed; queried longest first
 DEFAULT_CANDIDATES = 4  # most recent occurrences of the matched n-gram compared by their full match length
@@ -253,7 +252,6 @@ class LookupSource(DraftSource):
     """
 
     name = LOOKUP_SOURCE
-    provenance = TokenSource.LOOKUP
     needs_features = False
 
     def __init__(self, *, max_draft: int = DEFAULT_MAX_DRAFT, index: NgramIndex | None = None,

@@ -48,7 +48,6 @@ from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
 from .schema import Keys
-from .steps import TokenSource
 from .target import (FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context, state_seq_get,
                      state_seq_set)
 
@@ -349,7 +348,6 @@ class MTPSource(DraftSource):
     """
 
     name = MTP_SOURCE
-    provenance = TokenSource.MTP
     needs_features = False
     state_part = "mtp"  # snapshot(): the carry, the waiting tokens and rows, the MTP context's KV
 

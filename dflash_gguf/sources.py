@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import numpy as np
 
 from .sampling import SamplingParams
-from .steps import TokenSource
+from .steps import provenance_of
 
 if TYPE_CHECKING:
     from .target import FeatureRows
@@ -122,10 +122,10 @@ class VerifyCostsLike(Protocol):
 
 
 class DraftSource(ABC):
-    """One way of proposing tokens; `name` keys the policy's statistics and the Steps' `source`."""
+    """One way of proposing tokens; `name` keys the policy's statistics and the Steps' `source`, and is the
+    provenance of the tokens it got accepted."""
 
     name: str
-    provenance: TokenSource = TokenSource.DRAFT
     max_draft: int
     needs_features: bool = False  # whether observe() reads Commit.features (the loop captures them only then)
     # the prompt cache's name for the state save_state() gives; None: its state is a function of the tokens
@@ -149,6 +149,12 @@ class DraftSource(ABC):
         A source that learns how its drafts pass says what each length is expected to commit; without
         an estimate it drafts only in fixed blocks."""
         return Offer(self.name, n_max)
+
+    @property
+    def provenance(self) -> str:
+        """What the tokens it got accepted are recorded as (Step.provenance, the stats' tokens_by_provenance,
+        the chat's colours): its name. A subclass may name another (a test's scripted source passes for lookup)."""
+        return provenance_of(self.name)
 
     def drafts_in_block(self, block_size: int) -> int:
         """Drafts a fixed block of block_size holds: all but the last committed token's slot."""

@@ -23,6 +23,7 @@ from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory
 from .mtp import MTPSource, mtp_unusable_reason
 from .sources import DraftSource
+from .steps import TARGET_OWN
 from .target import Target
 from .timing import calibrate, calibrate_verify, extend_verify_costs
 from .tree import TreeShaper, tree_unusable
@@ -265,10 +266,14 @@ def _check_sources(sources: Any) -> list[DraftSource]:
 
 
 def _check_names(names: Iterable[str]) -> None:
-    """Sources are told apart by name (stats, Steps, the policy): two with one name are refused."""
+    """Sources are told apart by name (stats, Steps' source and provenance, the policy): two with one name are
+    refused, and so is the name of the target's own tokens."""
     names = list(names)
     if len(set(names)) < len(names):
         raise ValueError(f"draft source names must differ, got {names}")
+    own = sorted(str(n) for n in TARGET_OWN.intersection(names))
+    if own:
+        raise ValueError(f"a draft source may not be named {own[0]!r}: it names the target's own tokens")
 
 
 class BatchPricedCosts(CostModel):

@@ -137,7 +137,7 @@ class GenerationStats:
     plain_cycles: int = 0
     acceptance_by_slot: list[float] = field(default_factory=list)  # [k]: P(slot k+1 accepted | drafted)
     per_source: dict[str, SourceStats] = field(default_factory=dict)
-    tokens_by_provenance: dict[str, int] = field(default_factory=dict)
+    tokens_by_provenance: dict[str, int] = field(default_factory=dict)  # by source name, and prefill/plain/bonus
     in_reply_plain_tokens_per_s: float | None = None  # the reply's own plain cycles: a like-for-like baseline
     in_reply_speedup: float | None = None  # None until enough plain cycles ran in this reply
     memory: str | None = None  # how the target rolls back (kv, snapshot, checkpoint)
@@ -187,7 +187,8 @@ class StatsBuilder:
     def add(self, step: Step) -> None:
         self.n_tokens += len(step.tokens)
         for p in step.provenance:
-            self.provenance[p.value] = self.provenance.get(p.value, 0) + 1
+            key = str(p)  # a source's name, or a TokenSource's value
+            self.provenance[key] = self.provenance.get(key, 0) + 1
         if step.finish_reason is not None:
             self.finish_reason = step.finish_reason
         if step.kind is StepKind.PREFILL:

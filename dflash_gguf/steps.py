@@ -1,7 +1,7 @@
 """What the decode loop yields: one typed, keyword-built Step per cycle.
 
 Consumers (Session stats, the TUI, the bench, the server) read these fields, never reason strings:
-`kind` says what the cycle was, `provenance` where each committed token came from.
+`kind` says what the cycle was, `provenance` where each committed token came from (its source's name).
 """
 
 from __future__ import annotations
@@ -21,15 +21,33 @@ class StepKind(str, Enum):
 
 
 class TokenSource(str, Enum):
-    """Where one committed token came from; one vocabulary for every view."""
+    """The provenance names with a fixed meaning. A drafted token's provenance is its source's name
+    (`DraftSource.provenance`), so a new source brings its own with no entry here; these are the target's own
+    tokens, the grammar's forced ones and the shipped sources', each one object (`provenance_of`)."""
 
     PREFILL = "prefill"  # sampled from the prompt's last logits
     PLAIN = "plain"  # the target's own token in a plain cycle
-    DRAFT = "draft"  # proposed by the native drafter, accepted by the target
+    BONUS = "bonus"  # the target's own token after a verified draft
+    GRAMMAR = "grammar"  # the only continuation a constraint admits, proposed for free, accepted by the target
     LOOKUP = "lookup"  # proposed by the n-gram lookup, accepted by the target
     MTP = "mtp"  # proposed by the target's own MTP heads, accepted by the target
-    GRAMMAR = "grammar"  # the only continuation a constraint admits, proposed for free, accepted by the target
-    BONUS = "bonus"  # the target's own token after a verified draft
+    # the drafters' family: a drafter's tokens carry its kind's name (dflash, dflash2, dspark), which views
+    # colour as this one
+    DRAFT = "draft"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# names a draft source may not take: its tokens would read as the target's own
+TARGET_OWN = frozenset({TokenSource.PREFILL, TokenSource.PLAIN, TokenSource.BONUS})
+_FIXED: dict[str, TokenSource] = {s.value: s for s in TokenSource}
+
+
+def provenance_of(name: str) -> str:
+    """The provenance of the tokens a source named `name` got accepted: the name, as its TokenSource where it
+    is one of the fixed names (so `is TokenSource.LOOKUP` holds for lookup's tokens)."""
+    return _FIXED.get(name, name)
 
 
 DRAFTED_KINDS = frozenset({StepKind.DRAFT, StepKind.PROBE})
@@ -47,13 +65,15 @@ class TokenLogprob:
 
 @dataclass(frozen=True, kw_only=True)
 class Step:
-    """What one cycle committed. `spans` are (text, TokenSource) pieces whose texts join to `text`."""
+    """What one cycle committed. `provenance` names where each token came from (a TokenSource for the target's
+    own tokens, else the name of the source that drafted it); `spans` are (text, provenance) pieces whose
+    texts join to `text`."""
 
     kind: StepKind
     tokens: list[int]
     text: str
-    provenance: tuple[TokenSource, ...] = ()  # one per token
-    spans: tuple[tuple[str, TokenSource], ...] = ()
+    provenance: tuple[str, ...] = ()  # one per token
+    spans: tuple[tuple[str, str], ...] = ()
     source: str | None = None  # the draft source's name for DRAFT / PROBE cycles
     n_drafted: int = 0
     n_accepted: int = 0

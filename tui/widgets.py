@@ -21,7 +21,7 @@ from dflash_gguf.prompt_cache import CacheEvent
 from dflash_gguf.stats import Baseline, Calibration, SourceStats, TreeStats
 from dflash_gguf.stats import speedup as speedup_of
 from dflash_gguf.chat.tool_calls import ToolCall
-from dflash_gguf.tui.provenance import Piece, Provenance
+from dflash_gguf.tui.provenance import COLOURS, Colour, Palette, Piece, Provenance, display
 from dflash_gguf.tui.stats import ReplyStats
 from dflash_gguf.tui.worker import SessionInfo
 
@@ -29,7 +29,7 @@ from dflash_gguf.tui.worker import SessionInfo
 # so each repaint re-renders one bounded chunk and a long reply costs linear, not quadratic, time
 CHUNK_CHARS = 512
 HIDDEN = "··"
-LEGEND: tuple[Piece, ...] = (
+LEGEND: tuple[Piece, ...] = (  # the colours of their own; legend() adds the Session's other sources
     ("drafter", Provenance.DRAFT),
     (" · ", Provenance.PLAIN),
     ("lookup", Provenance.LOOKUP),
@@ -44,6 +44,17 @@ LEGEND: tuple[Piece, ...] = (
 COMPARE_HINT = "^g reruns the last prompt\nwithout drafts"
 
 
+def legend(sources: Iterable[str]) -> tuple[Piece, ...]:
+    """The key to the colours: LEGEND, and before the target's own each of `sources` (Step.source names)
+    drawn in a palette colour, by its name."""
+    others: list[Piece] = []
+    for name in sources:
+        if isinstance(display(name), Palette):
+            others += [(name, display(name)), (" · ", Provenance.PLAIN)]
+    at = LEGEND.index(("bonus", Provenance.BONUS))
+    return (*LEGEND[:at], *others, *LEGEND[at:])
+
+
 class TokenChunk(Widget):
     """A run of committed tokens, each styled by where it came from.
 
@@ -52,13 +63,13 @@ class TokenChunk(Widget):
     screen is not (it was most of the UI thread's time in the profile, docs/TUI.md).
     """
 
-    COMPONENT_CLASSES = {f"token--{p.value}" for p in Provenance}
+    COMPONENT_CLASSES = {f"token--{c.value}" for c in COLOURS}
 
     def __init__(self, pieces: Sequence[Piece] = (), **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._pieces: list[Piece] = list(pieces)
         self.length = sum(len(text) for text, _ in pieces)
-        self._styles: dict[Provenance, Style] | None = None
+        self._styles: dict[Colour, Style] | None = None
         self._text: Text | None = None
         self._height: tuple[int, int] | None = None  # (width, wrapped lines) last laid out
 
@@ -98,7 +109,7 @@ class TokenChunk(Widget):
 
     def _rich_text(self) -> Text:
         if self._styles is None:
-            self._styles = {p: self.get_component_rich_style(f"token--{p.value}") for p in Provenance}
+            self._styles = {c: self.get_component_rich_style(f"token--{c.value}") for c in COLOURS}
             self._text = None
         if self._text is None:
             text = Text(no_wrap=False, end="")
@@ -365,7 +376,7 @@ class StatsPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Label("speculative decoding", classes="heading")
         # the key to the transcript's colours, drawn by the same widget so it restyles with them
-        yield TokenChunk(LEGEND, id="legend")
+        yield TokenChunk(legend(self.info.sources()), id="legend")
         yield Static(id="figures", markup=False)
         yield Label("draft sources", classes="heading")
         yield Static(id="sources", markup=False)

@@ -46,11 +46,14 @@ class SessionInfo:
     chat_template: str | None = None  # the GGUF's: --tools is checked against it, a reply's calls read with it
     prompt_cache: bool = False  # whether the Session has a prompt cache (--cache-ram / --cache-dir)
     mtp: bool = False  # whether the target's own MTP heads draft (Session.mtp)
+    source_names: tuple[str, ...] = ()  # every draft source of the Session, by name (a registry's too)
 
     def sources(self) -> list[str]:
-        """The draft sources the Session was opened with, by their Step.source names: drafter, lookup, MTP."""
-        return ([self.drafter_kind] if self.drafter_kind else []) + (["lookup"] if self.lookup else []) + \
+        """The draft sources the Session was opened with, by their Step.source names: drafter, lookup, MTP,
+        then any other it drafts with (a source of speculation.SOURCES)."""
+        known = ([self.drafter_kind] if self.drafter_kind else []) + (["lookup"] if self.lookup else []) + \
             (["mtp"] if self.mtp else [])
+        return known + [name for name in self.source_names if name not in known]
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
@@ -65,6 +68,7 @@ class SessionInfo:
             chat_template=session.target.vocab.chat_template(),
             prompt_cache=session.prompt_cache is not None,
             mtp=session.mtp,
+            source_names=tuple(s.name for s in session._sources),
         )
 
 
