@@ -1,13 +1,21 @@
 """Issue 34's wall for draft sources: a new one is one module and one line in speculation.SOURCES. Written
 here to a file of its own, a bigram source is made by every Session (and each fork), drafts under the policy
-like the shipped ones, keeps greedy output exactly the target's, and is closed with its Session."""
+like the shipped ones, keeps greedy output exactly the target's, and is closed with its Session. The tokens
+it gets accepted carry its name as their provenance, which the stats count and the chat colours and keys
+in a colour of its own, with no other edit."""
 
 from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from dflash_gguf import speculation
 from dflash_gguf.session import Session
+from dflash_gguf.steps import TokenSource
+from dflash_gguf.tui.provenance import Palette, Provenance, display, pieces_of
+from dflash_gguf.tui.widgets import LEGEND, legend
+from dflash_gguf.tui.worker import SessionInfo
 
 BIGRAM_SOURCE = '''
 """Proposes, after a token, what followed it the last time it was committed (an n-gram lookup of one)."""
@@ -67,12 +75,16 @@ def make(parts):
 PROMPT = "Repeat: red green blue red green blue red green blue red green blue red green blue"
 
 
-def test_a_draft_source_is_one_module_and_one_registry_line(tmp_path, monkeypatch, embedded_target):
+def _register_bigram(tmp_path, monkeypatch) -> None:
     (tmp_path / "bigram_source.py").write_text(BIGRAM_SOURCE)
     spec = importlib.util.spec_from_file_location("bigram_source", tmp_path / "bigram_source.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(speculation, "SOURCES", (*speculation.SOURCES, module.make))  # the registry line
+
+
+def test_a_draft_source_is_one_module_and_one_registry_line(tmp_path, monkeypatch, embedded_target):
+    _register_bigram(tmp_path, monkeypatch)
 
     with Session(embedded_target, drafter=None, lookup=False, n_ctx=256, n_threads=1) as s:
         assert [x.name for x in s._sources] == ["bigram"]
@@ -87,3 +99,43 @@ def test_a_draft_source_is_one_module_and_one_registry_line(tmp_path, monkeypatc
         assert bigram.closed and not s._sources[0].closed
         mine = s._sources[0]
     assert mine.closed
+
+
+def test_its_tokens_carry_its_name_in_the_steps_the_stats_and_the_chats_colours(tmp_path, monkeypatch, embedded_target):
+    _register_bigram(tmp_path, monkeypatch)
+    with Session(embedded_target, drafter=None, lookup=False, n_ctx=256, n_threads=1) as s:
+        steps = list(s.stream(PROMPT, max_tokens=32, block_size=4))
+        stats = s.last_stats
+        info = SessionInfo.of(s)
+    drafted = [step for step in steps if step.source == "bigram"]
+    accepted = sum(step.n_accepted for step in drafted)
+    assert accepted > 0
+    for step in drafted:
+        assert step.provenance == ("bigram",) * step.n_accepted + (TokenSource.BONUS,) * (len(step.tokens) > step.n_accepted)
+    assert stats.tokens_by_provenance["bigram"] == accepted == stats.per_source["bigram"].n_accepted
+    assert sum(stats.tokens_by_provenance.values()) == stats.n_tokens
+
+    # the chat: a palette colour of its own, in the tokens and in the key to them
+    colour = display("bigram")
+    assert isinstance(colour, Palette) and display("bigram") is colour
+    assert any(kind is colour for step in drafted for _, kind in pieces_of(step))
+    assert "bigram" in info.sources()
+    key = legend(info.sources())
+    assert ("bigram", colour) in key and set(LEGEND) <= set(key)
+    assert legend(["dflash", "lookup", "mtp"]) == LEGEND  # the shipped sources keep their own colours
+
+
+@pytest.mark.parametrize("name", ["plain", "bonus", "prefill"])
+def test_a_source_may_not_take_the_name_of_the_targets_own_tokens(tmp_path, monkeypatch, embedded_target, name):
+    _register_bigram(tmp_path, monkeypatch)
+    monkeypatch.setattr(speculation, "SOURCES", (*speculation.SOURCES[:-1], _renamed(speculation.SOURCES[-1], name)))
+    with pytest.raises(ValueError, match=f"may not be named '{name}'"):
+        Session(embedded_target, drafter=None, lookup=False, n_ctx=256, n_threads=1)
+
+
+def _renamed(make, name):
+    def make_renamed(parts):
+        source = make(parts)
+        source.name = name
+        return source
+    return make_renamed
