@@ -139,3 +139,17 @@ def _renamed(make, name):
         source.name = name
         return source
     return make_renamed
+
+
+def test_a_drafters_tokens_are_counted_under_its_kind_and_coloured_as_the_drafters():
+    """The drafter's provenance is its source's name, its kind: tokens_by_provenance counts it where
+    per_source does (it was 'draft'), and the chat still colours it as the drafter. The embedded target
+    and its shipped drafter."""
+    with Session(n_ctx=256, n_threads=1, lookup=False) as s:
+        kind = s.drafter.kind
+        steps = list(s.stream("The capital of France is", max_tokens=32, block_size=4))
+        stats = s.last_stats
+    assert stats.tokens_by_provenance[kind] == stats.per_source[kind].n_accepted > 0
+    assert "draft" not in stats.tokens_by_provenance
+    assert all(p == kind for step in steps if step.source == kind for p in step.provenance[: step.n_accepted])
+    assert display(kind) is Provenance.DRAFT
