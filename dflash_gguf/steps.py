@@ -27,13 +27,13 @@ class TokenSource(str, Enum):
 
     PREFILL = "prefill"  # sampled from the prompt's last logits
     PLAIN = "plain"  # the target's own token in a plain cycle
-    BONUS = "bonus"  # the target's own token after a verified draft
-    GRAMMAR = "grammar"  # the only continuation a constraint admits, proposed for free, accepted by the target
-    LOOKUP = "lookup"  # proposed by the n-gram lookup, accepted by the target
-    MTP = "mtp"  # proposed by the target's own MTP heads, accepted by the target
     # the drafters' family: a drafter's tokens carry its kind's name (dflash, dflash2, dspark), which views
     # colour as this one
     DRAFT = "draft"
+    LOOKUP = "lookup"  # proposed by the n-gram lookup, accepted by the target
+    MTP = "mtp"  # proposed by the target's own MTP heads, accepted by the target
+    GRAMMAR = "grammar"  # the only continuation a constraint admits, proposed for free, accepted by the target
+    BONUS = "bonus"  # the target's own token after a verified draft
 
     def __str__(self) -> str:
         return self.value
