@@ -315,9 +315,9 @@ class Drafter(NativeResource):
             self.last_confidences = np.ctypeslib.as_array(ptr, shape=(row + n_block, self.n_embd))[row + lead :, 0].copy()
         if self.is_dspark:
             return logits  # the Markov chain needs the untransformed rows; propose() applies the transforms
-        return self._output_transforms(logits)
+        return self.output_transforms(logits)
 
-    def _output_transforms(self, logits: np.ndarray) -> np.ndarray:
+    def output_transforms(self, logits: np.ndarray) -> np.ndarray:
         """DFlash1's graph leaves the z-lab output_multiplier and softcap to the reader (dflash.cpp)."""
         if self._logit_scale:
             logits = logits * self._logit_scale
@@ -362,7 +362,7 @@ class Drafter(NativeResource):
             row = head.correct(rows[i], graph_prev, prev)
             if confidences is not None:
                 confidences[i] = head.correct_confidence(conf[i], graph_prev, prev)
-            q[i] = probabilities(self._output_transforms(row[None]), params)[0]
+            q[i] = probabilities(self.output_transforms(row[None]), params)[0]
             tokens[i] = sample_token(q[i], rng)
             graph_prev, prev = int(rows[i].argmax()), int(tokens[i])
         return Proposal(tokens=tokens, q=q, confidences=confidences)

@@ -93,9 +93,9 @@ class Speculation:
             self.native = NativeDrafterSource(self.drafter)
             self.sources.append(self.native)
             if tree_nodes:
-                self.tree_disabled_reason = tree_unusable(target, memory, self.drafter)
+                self.tree_disabled_reason = tree_unusable(target, memory)
                 if self.tree_disabled_reason is None:
-                    self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
+                    self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes, drafter=self.drafter)
             try:
                 _check_names(s.name for s in self.sources)
             except ValueError:
