@@ -79,8 +79,10 @@ class Speculation:
                 drafter.close()
             return
         self.sources += given
+        trees_off = tree_unusable(target, memory) if tree_nodes else None  # why no source may verify trees
         if lookup if lookup is not None else drafter is None:
-            self.lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1))
+            self.lookup = LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, target.n_batch - 1, target.n_ctx_seq - 1),
+                                       tree_nodes=0 if trees_off else tree_nodes)
             self.sources.append(self.lookup)
         if mtp_unusable_reason(target) is None:
             self.mtp = MTPSource(target, n_threads=n_threads)
@@ -93,8 +95,8 @@ class Speculation:
             self.native = NativeDrafterSource(self.drafter)
             self.sources.append(self.native)
             if tree_nodes:
-                self.tree_disabled_reason = tree_unusable(target, memory)
-                if self.tree_disabled_reason is None:
+                self.tree_disabled_reason = trees_off
+                if trees_off is None:
                     self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes, drafter=self.drafter)
             try:
                 _check_names(s.name for s in self.sources)
@@ -102,7 +104,8 @@ class Speculation:
                 self.drafter.close()
                 raise
         elif tree_nodes:
-            self.tree_disabled_reason = "no drafter: a tree is shaped from a drafter's candidates"
+            self.tree_disabled_reason = trees_off or (
+                None if self.lookup is not None else "no drafter and no lookup: nothing to shape a tree from")
 
     def for_generation(self, config: GenerationConfig) -> tuple[list[DraftSource], Policy | None, Constraint | None]:
         """The sources, the policy (None: plain decoding) and the constraint one generation decodes with;

@@ -196,15 +196,16 @@ def build_tree(anchor: int, ids: np.ndarray, accept: np.ndarray, budget: int) ->
     accept = np.asarray(accept, dtype=np.float64)
     if ids.ndim != 2 or accept.shape != ids.shape:
         raise ValueError(f"ids and accept must both be (slots, k), got {ids.shape} and {accept.shape}")
-    return grow_tree(anchor, lambda depth, token: (ids[depth], accept[depth]), ids.shape[0], budget)
+    return grow_tree(anchor, lambda path: (ids[len(path) - 1], accept[len(path) - 1]), ids.shape[0], budget)
 
 
-def grow_tree(anchor: int, children: Callable[[int, int], tuple[np.ndarray, np.ndarray]], n_slots: int,
+def grow_tree(anchor: int, children: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]], n_slots: int,
               budget: int) -> DraftTree:
     """The `budget`-row tree (anchor included) with the largest expected accepted depth.
 
-    children(depth, token): (ids, accept) of the candidates after a node at depth (< n_slots) holding token,
-    best first; accept: P(the target's token is that candidate | the node was accepted). A node's path
+    children(path): (ids, accept) of the candidates after the node whose path's tokens, the anchor first, are
+    `path` (its depth len(path) - 1 < n_slots), best first; accept: P(the target's token is that candidate |
+    the node was accepted). A node's path
     probability is the product of its path's accept values; nodes are added best first (a node's first child
     and next sibling become candidates once it is in), which is optimal where accept falls with the rank, as a
     drafter's ranking makes it. children is asked once per node added (above depth n_slots).
@@ -213,6 +214,7 @@ def grow_tree(anchor: int, children: Callable[[int, int], tuple[np.ndarray, np.n
         raise ValueError(f"a tree needs at least its anchor row (budget >= 1), got {budget}")
     # a node: (parent node, depth, rank among its parent's candidates, token); node 0 is the anchor
     nodes: list[tuple[int, int, int, int]] = [(-1, 0, -1, int(anchor))]
+    paths: list[tuple[int, ...]] = [(int(anchor),)]
     score: list[float] = [1.0]
     offered: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # node -> its children's (ids, accept)
     # (-path probability, tie order, parent node, rank): a candidate at depth(parent) + 1
@@ -224,7 +226,7 @@ def grow_tree(anchor: int, children: Callable[[int, int], tuple[np.ndarray, np.n
         if nodes[parent][1] >= n_slots:
             return
         if parent not in offered:
-            offered[parent] = children(nodes[parent][1], nodes[parent][3])
+            offered[parent] = children(paths[parent])
         ids, accept = offered[parent]
         if rank < len(ids):
             prob = score[parent] * float(accept[rank])
@@ -239,6 +241,7 @@ def grow_tree(anchor: int, children: Callable[[int, int], tuple[np.ndarray, np.n
         token = int(ids[rank])
         if token not in ids[:rank]:  # siblings hold distinct tokens (a candidate list may repeat one)
             nodes.append((parent, nodes[parent][1] + 1, rank, token))
+            paths.append(paths[parent] + (token,))
             score.append(-neg)
             push(len(nodes) - 1, 0)  # its first child
         push(parent, rank + 1)  # its next sibling
@@ -499,7 +502,8 @@ class TreeShaper:
         self.observe(n_past, [anchor])  # the anchor is the last tree's bonus
         offered: dict[tuple[int, int], _Offered] = {}
 
-        def children(depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        def children(path: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+            depth, token = len(path) - 1, path[-1]  # what a drafter's candidates depend on
             got = offered.get((depth, token))
             if got is None:
                 ids, q = cands.after(depth, token)

@@ -54,7 +54,7 @@ def test_dflash2_children_are_ranked_by_the_pair_scores_given_the_parents_candid
             np.testing.assert_allclose(q, (z / z.sum())[order])
     # the likeliest chain of a tree is the selector's greedy decode (Drafter._walk_lattice): each slot's best
     # candidate given the previous pick
-    tree = grow_tree(7, lambda d, t: c.after(d, t), 6, 40)
+    tree = grow_tree(7, lambda path: c.after(len(path) - 1, path[-1]), 6, 40)
     prev, chain = 0, []
     for i in range(6):
         prev = int(scores[i, prev].argmax())
@@ -84,7 +84,7 @@ def test_dspark_children_re_run_the_markov_head_on_their_parents_token():
             p = np.exp(want - want.max())
             np.testing.assert_allclose(q, (p / p.sum())[ids], rtol=1e-5)
     # the likeliest chain is the greedy draft (the graph's own argmax chain); off it, children follow their parent
-    tree = grow_tree(anchor, lambda d, t: c.after(d, t), 5, 24)
+    tree = grow_tree(anchor, lambda path: c.after(len(path) - 1, path[-1]), 5, 24)
     assert tree.first_leaf >= 2
     assert list(tree.tokens[1 : tree.first_leaf + 1]) == [int(r.argmax()) for r in rows][: tree.first_leaf]
     off = [r for r in range(1, len(tree)) if tree.ranks[r] > 0 and tree.children(r)]
@@ -136,7 +136,7 @@ def plain(embedded_target):
         out = []
         for p in PROMPTS:
             tokens = s.tokenize(p)
-            out.append((tokens, s.generate(tokens, max_tokens=48, temperature=0.0, speculative=False).tokens))
+            out.append((tokens, s.generate_tokens(tokens, max_tokens=48, temperature=0.0, speculative=False).tokens))
         return out
 
 
