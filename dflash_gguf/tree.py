@@ -647,12 +647,22 @@ def keep_path(target: "Target", tree: DraftTree, n_past: int, path: Sequence[int
     target.remove(leaf, 0)
 
 
-def tree_unusable(target: "Target", memory: "TargetMemory") -> str | None:
-    """Why this target's cycles cannot verify trees (they verify linear blocks then), or None. Any drafter kind,
-    and lookup, shape trees."""
+def branching_refused(target: "Target", memory: "TargetMemory") -> str | None:
+    """Why this target's memory cannot verify a tree's branches however it is opened, or None: a recurrent state
+    (a hybrid target's) is one per sequence, advanced token by token, and a tree's branches would each need
+    their own copy of it, forked at every node that branches; its memory keeps no such copies, so its cycles
+    verify linear blocks (what dflash-doctor and a Session's tree_disabled_reason say)."""
     if not memory.keeps_trees:
         return (f"{target.architecture}: its recurrent state would need a copy per branch, which is not kept; "
                 "linear blocks instead")
+    return None
+
+
+def tree_unusable(target: "Target", memory: "TargetMemory") -> str | None:
+    """Why this target's cycles cannot verify trees (they verify linear blocks then), or None. Any drafter kind,
+    and lookup, shape trees."""
+    if (refused := branching_refused(target, memory)) is not None:
+        return refused
     if not target.kv_unified:
         return "the target's KV cache is not unified: a node shared by several paths needs one"
     return None

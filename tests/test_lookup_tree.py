@@ -3,16 +3,14 @@ the trie of them in one batch; the output stays the target's."""
 
 from __future__ import annotations
 
-from collections import Counter
+from itertools import islice
 
 import pytest
 
-from chi_square import chi_square_p_value
 from dflash_gguf import Session
 from dflash_gguf.lookup import LookupSource, NgramIndex, continuation_tree
-from dflash_gguf.sampling import SamplingParams, adjusted_logits, probabilities
+from dflash_gguf.sampling import SamplingParams
 from dflash_gguf.sources import Commit
-from dflash_gguf.target import Target
 
 ALPHA = 1e-3
 N_CTX = 512
@@ -85,26 +83,23 @@ def test_greedy_lookup_trees_equal_plain_decoding_and_win_off_the_chain(embedded
         assert s.last_stats.tree.cycles == len(trees)
 
 
-@pytest.mark.slow  # 300 sampled generations
+@pytest.mark.slow  # 100 sampled generations
 def test_sampled_lookup_trees_follow_the_target(embedded_target):
+    """Sampling at t=1: the prompt stops before " like", which the prefill samples most often; after it, the
+    n-gram "I like" was followed by " apples" and " pears", a tree of both, whose walk (or residual) gives the
+    second token."""
+    from test_tree_kinds import _assert_follows_the_target
+
     params = SamplingParams(temperature=1.0, logit_bias={0: -float("inf"), 2: -float("inf")})
     runs, accepted = [], 0
     with Session(str(embedded_target), n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16) as s:
-        prompt = s.tokenize(PROMPT)
-        for seed in range(300):
-            steps = list(s.stream_tokens(prompt, max_tokens=3, block_size=16, seed=seed, temperature=1.0,
-                                         logit_bias=params.logit_bias))
-            runs.append([t for st in steps for t in st.tokens])
-            accepted += sum(st.n_accepted for st in steps if st.tree_nodes)
-    assert all(len(r) == 3 for r in runs) and accepted > 30
-    with Target.open(embedded_target, n_ctx=N_CTX, n_threads=1) as ref:
-        def exact(tokens):
-            ref.clear()
-            ref.decode(tokens, 0)
-            return probabilities(adjusted_logits(ref.output_logits()[-1:], params), params)[0]
-
-        assert chi_square_p_value([r[0] for r in runs], exact(prompt)) > ALPHA
-        head = Counter(r[0] for r in runs).most_common(1)[0][0]
-        second = [r[1] for r in runs if r[0] == head]
-        assert len(second) > 60
-        assert chi_square_p_value(second, exact(prompt + [head])) > ALPHA
+        prompt = s.tokenize(PROMPT.removesuffix(" like"))
+        for seed in range(100):  # " like" is 0.84 of the prefill's tokens
+            # room for 3 drafts after the prefill: a tree of up to 4 rows; the prefill and that first cycle are
+            # all the test reads (the generation is closed there)
+            steps = list(islice(s.stream_tokens(prompt, max_tokens=5, block_size=16, seed=seed, temperature=1.0,
+                                                logit_bias=params.logit_bias), 2))
+            runs.append([t for st in steps for t in st.tokens][:2])
+            accepted += steps[1].n_accepted if steps[1].tree_nodes else 0
+    assert all(len(r) == 2 for r in runs) and accepted > 15, accepted
+    _assert_follows_the_target(embedded_target, prompt, runs, params)

@@ -10,6 +10,7 @@ and a branch's children are right only where the tree re-conditioned them on the
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -202,25 +203,35 @@ def test_dflash2_trees_equal_plain_decoding(dflash2_gguf_path, plain):
     assert all(st.n_accepted == 0 for st in trees) and max(st.tree_nodes for st in trees) > 8
 
 
-@pytest.mark.slow  # 300 sampled generations per kind
+@pytest.mark.slow  # 90 sampled generations per kind
 @pytest.mark.parametrize("kind", ["dspark", "dflash2"])
 def test_sampled_trees_of_every_kind_follow_the_target(kind, request, embedded_target, plain):
-    """Sampling at t=1 with 16-row trees: the first token follows the target's row and the second, after the
-    likeliest first, its row (accepted in a tree or drawn from the residual)."""
+    """Sampling at t=1 with 16-row trees: the first token (the prefill's) follows the target's row, and the
+    second, the first tree cycle's after the likeliest first token (a child the walk accepted, or the residual),
+    that token's row."""
     drafter = request.getfixturevalue("bigram_dspark" if kind == "dspark" else "dflash2_gguf_path")
     params = SamplingParams(temperature=1.0, logit_bias={0: -float("inf"), 2: -float("inf")})
     prompt = plain[0][0]
     runs, accepted = [], 0
     with Session(drafter=str(drafter), n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16, lookup=False) as s:
-        for seed in range(300):
-            steps = list(s.stream_tokens(prompt, max_tokens=3, block_size=8, seed=seed, temperature=1.0,
-                                         logit_bias=params.logit_bias))
-            runs.append([t for st in steps for t in st.tokens])
-            accepted += sum(st.n_accepted for st in steps if st.tree_nodes)
-    assert all(len(r) == 3 for r in runs)
+        for seed in range(90):  # the likeliest first token is ~0.9 of them
+            # a third token leaves room for a draft: the first cycle's tree is the 1 slot's candidates, 16 wide;
+            # the prefill and that cycle are all the test reads (the generation is closed there)
+            steps = list(islice(s.stream_tokens(prompt, max_tokens=3, block_size=8, seed=seed, temperature=1.0,
+                                                logit_bias=params.logit_bias), 2))
+            assert steps[1].tree_nodes > 2  # the second token came from a tree's cycle
+            runs.append([t for st in steps for t in st.tokens][:2])
+            accepted += steps[1].n_accepted
+    assert all(len(r) == 2 for r in runs)
     if kind == "dspark":
-        assert accepted > 30  # the bigram drafts are accepted under sampling too
-    with Target.open(embedded_target, n_ctx=N_CTX, n_threads=1) as ref:
+        assert accepted > 10  # the bigram drafts are accepted under sampling too
+    _assert_follows_the_target(embedded_target, prompt, runs, params)
+
+
+def _assert_follows_the_target(target: Path, prompt: list[int], runs: list[list[int]], params: SamplingParams) -> None:
+    """χ²: each run's first token against the target's row after the prompt; the second, in the runs whose first
+    was the likeliest, against the row after that token."""
+    with Target.open(target, n_ctx=N_CTX, n_threads=1) as ref:
         def exact(tokens):
             ref.clear()
             ref.decode(tokens, 0)
@@ -229,5 +240,5 @@ def test_sampled_trees_of_every_kind_follow_the_target(kind, request, embedded_t
         assert chi_square_p_value([r[0] for r in runs], exact(prompt)) > ALPHA
         head = Counter(r[0] for r in runs).most_common(1)[0][0]
         second = [r[1] for r in runs if r[0] == head]
-        assert len(second) > 60
+        assert len(second) >= 50, len(second)
         assert chi_square_p_value(second, exact(prompt + [head])) > ALPHA
