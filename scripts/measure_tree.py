@@ -308,7 +308,7 @@ def live(args: argparse.Namespace) -> None:
     same held-out prompts: the loop's own figure next to the replay's. Also how many replies of each shape are
     plain decoding's token for token (tests/test_tree.py checks three prompts; this, every prompt given).
     --drafter: another drafter of the embedded target (any kind: DFlash 2, DSpark); --lookup: no drafter,
-    lookup alone (its trees are the continuations' trie)."""
+    lookup alone (its trees are the continuations' trie); --text: raw prompts (no chat template) instead."""
     from dflash_gguf import Session
     from dflash_gguf.defaults import embedded_target
 
@@ -317,23 +317,30 @@ def live(args: argparse.Namespace) -> None:
     pair = (str(embedded_target()), None) if args.lookup else (
         (None, None) if args.drafter is None else (str(embedded_target()), str(args.drafter)))
 
-    if args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts, as collect
+    if args.text:
+        prompts = args.text
+    elif args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts, as collect
         from dflash_gguf.bench.suite import load_suite
 
         prompts = load_suite(categories=("math", "code", "chat"), limit=args.per_category)
     else:
         prompts = held_out(args.prompts, args.per_category, args.skip)
+
+    def answer(s: "Session", prompt, **settings):
+        if args.text:
+            return s.generate(prompt, max_tokens=args.max_tokens, **settings)
+        return s.chat([{"role": "user", "content": prompt.prompt}], max_tokens=args.max_tokens, **settings)
+
     plain: list[list[int]] = []
     for nodes in (0, args.tree_nodes):
         committed = cycles = identical = 0
         with Session(*pair, n_ctx=2048, n_threads=args.threads, lookup=args.lookup, tree_nodes=nodes) as s:
             for i, p in enumerate(prompts):
-                messages = [{"role": "user", "content": p.prompt}]
                 if nodes == 0:
                     s.reset()
-                    plain.append(list(s.chat(messages, max_tokens=args.max_tokens, speculative=False).tokens))
+                    plain.append(list(answer(s, p, speculative=False).tokens))
                 s.reset()
-                r = s.chat(messages, max_tokens=args.max_tokens, block_size=16)
+                r = answer(s, p, block_size=16)
                 drafted = r.stats.cycles - r.stats.plain_cycles
                 committed += r.stats.n_accepted + drafted
                 cycles += drafted
@@ -379,6 +386,7 @@ def main() -> None:
     lv.add_argument("--threads", type=int, default=1)
     lv.add_argument("--drafter", type=Path, help="a drafter GGUF for the embedded target (default: the shipped one)")
     lv.add_argument("--lookup", action="store_true", help="no drafter: lookup drafts alone")
+    lv.add_argument("--text", action="append", help="a raw prompt (no chat template), instead of --prompts; repeatable")
     v = sub.add_parser("curve")
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--n-gpu-layers", type=int, default=0)
