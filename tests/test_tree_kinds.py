@@ -3,8 +3,8 @@ trees whose children depend on their parent; verified in one batch, the output s
 
 The live DSpark tests use a drafter whose Markov head is a bigram table of the target's own greedy reply (W1 of a
 token points at the rank dimensions of the tokens that followed it, W2 maps each dimension to its token): its
-drafts are right wherever that table is, a token followed by two different ones puts both among the candidates,
-and a branch's children are right only where the tree re-conditioned them on the branch's token.
+drafts are right wherever that table is, and a token followed by two different ones puts both among the
+candidates, so its trees are accepted deep and off the likeliest chain.
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ def _bigram_dspark(root: Path, target: Path, replies: list[list[int]], rank: int
         for prev, nxt in zip(reply, reply[1:]):
             if nxt not in dim and len(dim) < rank:
                 dim[nxt] = len(dim)
-                w2[nxt, dim[nxt]] = 8.0
+                w2[nxt, dim[nxt]] = 16.0
             if nxt in dim:
-                w1[prev, dim[nxt]] = 8.0  # 64 over the base logits: the random backbone's are a few units
+                w1[prev, dim[nxt]] = 16.0  # 256 over the base logits: the bigram's next token is the argmax
     state["markov_head.markov_w1.weight"] = w1.to(torch.bfloat16)
     state["markov_head.markov_w2.weight"] = w2.to(torch.bfloat16)
     save_file(state, ck / "model.safetensors")
@@ -188,11 +188,12 @@ def _greedy_trees(drafter: Path, plain, tree_nodes: int = 16) -> list:
 
 @pytest.mark.slow  # builds a DSpark drafter; two Sessions
 def test_dspark_trees_equal_plain_decoding_and_win_off_the_chain(bigram_dspark, plain):
-    """Greedy output is plain decoding's; trees were accepted off the likeliest chain and, past the branch,
-    deeper: the branch's children were re-conditioned on its token (the graph's own rows follow the chain's)."""
+    """Greedy output is plain decoding's; the trees' chains are accepted deep and trees won off the chain.
+    (Here every off-chain win is the last token its cycle accepts, so these replies do not tell re-conditioned
+    children from the graph's own: test_dspark_children_re_run_the_markov_head_on_their_parents_token does.)"""
     trees = _greedy_trees(bigram_dspark, plain)
-    assert sum(st.n_accepted for st in trees) > 20
-    assert any(st.tree_branch > 0 and st.n_accepted >= 2 for st in trees), [(st.n_accepted, st.tree_branch) for st in trees]
+    assert sum(st.n_accepted for st in trees) > 2 * len(trees)
+    assert any(st.tree_branch > 0 and st.n_accepted > 0 for st in trees), [(st.n_accepted, st.tree_branch) for st in trees]
 
 
 @pytest.mark.slow  # a DFlash 2 Session
