@@ -18,11 +18,10 @@ import pytest
 
 from chi_square import chi_square_p_value
 from dflash_gguf import Session
-from dflash_gguf.confidence import MarkovHead
 from dflash_gguf.sampling import SamplingParams, adjusted_logits, probabilities
 from dflash_gguf.target import Target
 from dflash_gguf.kinds.dflash2.head import PairCandidates
-from dflash_gguf.kinds.dspark.head import MarkovCandidates
+from dflash_gguf.kinds.dspark.head import MarkovCandidates, MarkovHead
 from dflash_gguf.kinds.head import SlotCandidates, candidates
 from dflash_gguf.tree import TreeShaper, grow_tree, walk_greedy
 
