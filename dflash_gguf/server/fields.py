@@ -4,7 +4,7 @@ Each `RequestField` names a GenerationConfig setting (where the field acts) and,
 chat, OpenAI completions, Anthropic Messages, Responses), the field's own name, type and default with its
 bounds. From `FIELDS` come each protocol's request-model fields (`declared`), the settings a request gives
 (`settings_of`), and the rename table that names a refused setting by the request's own field
-(`renames`, read by errors.Terms). Adding a sampling field on every API is one line in FIELDS.
+(`renames`, read by errors.Terms). Adding a field on every API is one entry of FIELDS.
 
 A protocol may take a field under several names (OpenAI chat's max_completion_tokens, then its older
 max_tokens: `Spelling.also`), and a field may read the request's value its own way (`RequestField.read`:
@@ -109,8 +109,8 @@ def _token_biases(bias: Optional[Dict[str, float]]) -> dict[str, float]:
 
 _PENALTY = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI's bounds
 
-# the sampling fields, bounded where the Session's sampler is; OpenAI's min_p and repeat_penalty default to
-# off, as OpenAI clients expect, not to llama_cpp.server's 0.05 and 1.1
+# the sampling fields are bounded where the Session's sampler is; OpenAI's min_p and repeat_penalty default
+# to off, as OpenAI clients expect, not to llama_cpp.server's 0.05 and 1.1
 FIELDS: tuple[RequestField, ...] = (
     RequestField("temperature", {**openai("temperature", float, Field(default=0.8, ge=0.0, le=2.0)),
                                  "anthropic": Spelling("temperature", float, Field(default=1.0, ge=0.0, le=1.0)),
