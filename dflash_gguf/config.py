@@ -206,12 +206,13 @@ class SessionOptions:
                                            "rpc-servers lending their devices to the target's offloaded layers, "
                                            "host:port[,host:port...] (needs an RPC build: scripts/build_rpc.sh; "
                                            "the drafter stays local; default: none)", flags=("--rpc",), parse=str)
-    # a greedy cycle verifies a tree of the drafter's candidates instead of one block (issue 36)
+    # a cycle verifies a tree of the drafter's (any kind) or lookup's candidates instead of one block (issue 36)
     tree_nodes: int = setting(0, integer(0, " (0 = linear blocks)"),
                               "the most rows of a draft tree, the anchor included (0: linear blocks; 2..257, at most "
                               "n_batch); adaptive, the controller chooses blocks or trees per cycle from the measured "
                               "costs, a fixed block verifies trees of this many rows; the target's KV cache is then "
-                              "unified, one sequence per leaf", parse=int)
+                              "unified, one sequence per leaf; lookup's trees (continuations that part) have the rows of its block",
+                              parse=int)
 
     # one target context for several Sessions (a server's slots): concurrent generations decode in one batch (issue 37)
     sequences: int = setting(1, integer(1),

@@ -20,6 +20,7 @@ from .backends import GPU_KINDS, Device, build
 from .cli_parser import EXIT_BAD_INPUT, OneLineParser
 from .config import KV_CACHE_SETTINGS, SessionOptions, add_arguments, from_arguments
 from .llama_ext import MissingSymbolError, layer_input_api_present
+from .tree import branching_refused
 
 PROG = "dflash-doctor"
 SESSION = ("n_ctx", "n_gpu_layers", "n_gpu_layers_draft", "n_threads", *KV_CACHE_SETTINGS)
@@ -52,6 +53,8 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
             "drafter": None if session.drafter is None else str(session.drafter.path),
             "speculation_off_because": session.speculative_disabled_reason,
             "sources": _sources(session),
+            # whether cycles may verify draft trees (tree_nodes): speculation, and memory that can branch
+            "trees_off_because": session.speculative_disabled_reason or branching_refused(t, session.memory),
         }
         if session.drafter is None:
             report["advice"] = advice(report)
@@ -137,7 +140,8 @@ def to_text(report: dict[str, Any]) -> str:
              f"devices {devices}; layer-input API {'present' if build.get('layer_input_api') else 'missing'}",
              f"target     {pair['target']} ({pair['architecture']}, fingerprint {pair['fingerprint'][:16]}) "
              f"on {_where(pair['target_placement'])}",
-             f"sources    {', '.join(pair['sources']) or 'none (plain decoding)'}"]
+             f"sources    {', '.join(pair['sources']) or 'none (plain decoding)'}",
+             f"trees      {'off: ' + pair['trees_off_because'] if pair['trees_off_because'] else 'verifiable (tree_nodes)'}"]
     if pair["drafter"] is not None:
         lines.append(f"drafter    {pair['drafter']} ({pair['kind']}, block {pair['block_size']}; rollback "
                      f"{pair['rollback']}, n_rs_seq {pair['n_rs_seq']}) on {_where(pair['drafter_placement'])}")

@@ -54,7 +54,7 @@ class NativeDrafterSource(DraftSource):
 
     @property
     def tree(self) -> "TreeShaper | None":
-        """Set (DFlash drafters, tree_nodes): its cycles may verify trees; the controller prices them beside
+        """Set (tree_nodes; any drafter kind): its cycles may verify trees; the controller prices them beside
         blocks and chooses each cycle's shape (a fixed block verifies a tree of the whole budget)."""
         return self._tree
 

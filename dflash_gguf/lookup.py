@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
+from .tree import DraftTree, grow_tree
 
 DEFAULT_SIZES = (2, 3, 4, 8)  # n-gram sizes indexed; queried longest first
 DEFAULT_CANDIDATES = 4  # most recent occurrences of the matched n-gram compared by their full match length
@@ -133,6 +134,12 @@ class NgramIndex:
         The longest indexed n-gram size that occurs wins; among its `candidates` most recent occurrences,
         the one that agrees furthest back (up to max_match), the most recent on a tie.
         """
+        found = self.matches(last, stop_at_max=True)
+        return found[0] if found else None
+
+    def matches(self, last: int, *, stop_at_max: bool = False) -> list[Match]:
+        """The `candidates` most recent occurrences of the longest indexed n-gram the suffix ending in `last`
+        ends in, best first (`match`'s order); stop_at_max: stop at the first that agrees max_match back."""
         seq, end = self.tokens, self._n
         length = end + 1  # of the virtual sequence tokens[:end] + [last]
         for n in reversed(self.sizes):
@@ -143,15 +150,13 @@ class NgramIndex:
             self.ops += 1
             if not positions:
                 continue
-            best: Match | None = None
+            found: list[Match] = []
             for pos in reversed(positions[-self.candidates :]):
-                m = n + self._extend_back(pos - n - 1, length - n - 1, self.max_match - n)
-                if best is None or m > best.length:
-                    best = Match(pos, m)
-                if m >= self.max_match:
+                found.append(Match(pos, n + self._extend_back(pos - n - 1, length - n - 1, self.max_match - n)))
+                if stop_at_max and found[-1].length >= self.max_match:
                     break
-            return best
-        return None
+            return sorted(found, key=lambda m: -m.length)  # stable: the most recent first on a tie
+        return []
 
     def _extend_back(self, i: int, j: int, limit: int) -> int:
         """How many tokens agree going backwards from seq[i] and seq[j] (both indexed, j < len(self)), at most limit."""
@@ -236,6 +241,36 @@ class LookupStats:
         self.n_accepted += n_accepted
 
 
+def continuation_tree(index: NgramIndex, last: int, found: Sequence[Match], depth: int, rows: int,
+                      acceptance: Callable[[int], float]) -> DraftTree:
+    """A draft tree of `rows` rows (the anchor `last` included) from the trie of what followed each occurrence
+    in `found` (NgramIndex.matches, best first), `depth` tokens each.
+
+    A node's chance of being the target's token given its parent was is the lookup acceptance at its match
+    length (acceptance(length): LookupStats', learnt on the best match's drafts) times its share of the
+    occurrences through its parent, the best match weighing as much as all the others together plus one:
+    the first chain is then the best match's continuation, the linear draft, and the others branch off it
+    where they part from it.
+    """
+    weights = [float(len(found))] + [1.0] * (len(found) - 1)
+    trie: dict[tuple[int, ...], dict[int, float]] = {}
+    for m, w in zip(found, weights):
+        tokens = index.continuation(m, last, depth)
+        for d, tok in enumerate(tokens):
+            kids = trie.setdefault(tuple(tokens[:d]), {})
+            kids[tok] = kids.get(tok, 0.0) + w
+    length = found[0].length
+
+    def children(path: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        kids = trie.get(path[1:], {})
+        order = sorted(kids, key=lambda t: -kids[t])
+        total = sum(kids.values())
+        a = acceptance(length + len(path) - 1)
+        return np.array(order, dtype=np.int64), np.array([a * kids[t] / total for t in order])
+
+    return grow_tree(last, children, depth, rows)
+
+
 LOOKUP_SOURCE = "lookup"
 DEFAULT_MAX_DRAFT = 32
 
@@ -249,19 +284,26 @@ class LookupSource(DraftSource):
     with the target's own probability of it (q = 1 at the drafted token), which keeps the output
     distributed exactly as the target's. What passed is learnt per match length (`stats`), from the
     commits themselves, and its `offer` says what each length is expected to commit, for the policy to price.
+
+    tree_nodes > 0 (a Session's tree_nodes, where its target verifies trees): where the matched n-gram was
+    followed by different continuations, a cycle of n drafts proposes a tree of up to n + 1 rows of them
+    (`continuation_tree`: as many rows as the block the policy priced) beside the linear draft.
     """
 
     name = LOOKUP_SOURCE
     needs_features = False
 
     def __init__(self, *, max_draft: int = DEFAULT_MAX_DRAFT, index: NgramIndex | None = None,
-                 stats: LookupStats | None = None) -> None:
+                 stats: LookupStats | None = None, tree_nodes: int = 0) -> None:
         if not isinstance(max_draft, int) or max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+        if not isinstance(tree_nodes, int) or tree_nodes < 0 or tree_nodes == 1:
+            raise ValueError(f"tree_nodes must be 0 or an integer >= 2, got {tree_nodes!r}")
         self.max_draft = max_draft
-        self.index = index or NgramIndex()
+        self.tree_nodes = tree_nodes
+        self.index = index if index is not None else NgramIndex()  # (an empty index is falsy)
         self.stats = stats or LookupStats()
-        self._match: tuple[int, int, Match | None] | None = None  # (last, n_past, match) of the last query
+        self._match: tuple[int, int, list[Match]] | None = None  # (last, n_past, matches best first) of the last query
         self._proposed: tuple[int, int, list[int]] | None = None  # (n_past, match length, tokens)
 
     def cached(self) -> int:
@@ -278,8 +320,10 @@ class LookupSource(DraftSource):
         if self._match is None or self._match[:2] != (last, n_past):
             if n_past != len(self.index):
                 raise RuntimeError(f"lookup index holds {len(self.index)} positions, the loop is at {n_past}")
-            self._match = (last, n_past, self.index.match(last))
-        return self._match[2]
+            found = self.index.matches(last) if self.tree_nodes else [m for m in [self.index.match(last)] if m]
+            self._match = (last, n_past, found)
+        found = self._match[2]
+        return found[0] if found else None
 
     def available(self, last: int, n_past: int) -> int:
         return self.max_draft if self.match(last, n_past) is not None else 0
@@ -299,7 +343,13 @@ class LookupSource(DraftSource):
         tokens = self.index.continuation(m, last, n_draft)
         self._proposed = (n_past, m.length, tokens)
         ids = np.asarray(tokens, dtype=np.int64)
-        return Candidate(self.name, ids, point_mass=True)
+        found = self._match[2]
+        tree = None
+        if self.tree_nodes and len(found) > 1 and n_draft > 1:
+            tree = continuation_tree(self.index, last, found, n_draft, min(self.tree_nodes, n_draft + 1),
+                                     self.stats.acceptance)
+        # tokens: the linear draft the policy priced, verified where the tree is one path or cannot be verified
+        return Candidate(self.name, ids, point_mass=True, tree=None if tree is None or tree.is_path else tree)
 
     def observe(self, commit: Commit) -> None:
         index = self.index

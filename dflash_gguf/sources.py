@@ -32,7 +32,7 @@ class Candidate:
     point_mass: the tokens were chosen deterministically (lookup): with sampling, each is accepted
     with the target's own probability of it. confidences: predicted P(accepted) per slot, if known.
     tree: the drafts as a tree (tree.DraftTree, the anchor its row 0) to verify in one batch; `tokens`
-    are then its first path, the linear block the loop verifies where a tree cannot be.
+    are then the linear block the loop verifies where a tree cannot be (its first path; lookup's whole draft).
     """
 
     source: str

@@ -81,12 +81,13 @@ class Speculation:
             if isinstance(drafter, Drafter):
                 drafter.close()
             return
+        trees_off = tree_unusable(target, memory) if tree_nodes else None  # why no source may verify trees
         _check_names(s.name for s in given)
         if drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
                 drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads,
                 type_k=draft_kv[0], type_v=draft_kv[1])
-        parts = SessionParts(target, memory, self.drafter, n_threads, lookup)
+        parts = SessionParts(target, memory, self.drafter, n_threads, lookup, 0 if trees_off else tree_nodes)
         try:
             self.sources += given
             for make in SOURCES:  # the Session's own, peers after the caller's
@@ -104,11 +105,12 @@ class Speculation:
         self.mtp = next((s for s in self.sources if isinstance(s, MTPSource)), None)
         self.native = next((s for s in self.sources if isinstance(s, NativeDrafterSource)), None)
         if self.native is not None and tree_nodes:
-            self.tree_disabled_reason = tree_unusable(target, memory, self.drafter)
-            if self.tree_disabled_reason is None:
-                self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes)
+            self.tree_disabled_reason = trees_off
+            if trees_off is None:
+                self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes, drafter=self.drafter)
         elif tree_nodes:
-            self.tree_disabled_reason = "no drafter: a tree is shaped from a drafter's candidates"
+            self.tree_disabled_reason = trees_off or (
+                None if self.lookup is not None else "no drafter and no lookup: nothing to shape a tree from")
 
     def for_generation(self, config: GenerationConfig) -> tuple[list[DraftSource], Policy | None, Constraint | None]:
         """The sources, the policy (None: plain decoding) and the constraint one generation decodes with;
@@ -213,6 +215,7 @@ class SessionParts:
     drafter: Drafter | None
     n_threads: int | None
     lookup: bool | None
+    tree_nodes: int = 0  # rows a source's tree may have (0: trees are off on this target)
 
 
 def lookup_source(parts: SessionParts) -> DraftSource | None:
@@ -220,7 +223,7 @@ def lookup_source(parts: SessionParts) -> DraftSource | None:
     if not (parts.lookup if parts.lookup is not None else parts.drafter is None):
         return None
     t = parts.target
-    return LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, t.n_batch - 1, t.n_ctx_seq - 1))
+    return LookupSource(max_draft=min(DEFAULT_MAX_DRAFT, t.n_batch - 1, t.n_ctx_seq - 1), tree_nodes=parts.tree_nodes)
 
 
 def mtp_source(parts: SessionParts) -> DraftSource | None:

@@ -1,10 +1,15 @@
-"""Draft trees: the drafter's per-slot candidates shaped into a tree, verified in one batch, walked by the target.
+"""Draft trees: the drafter's candidates shaped into a tree, verified in one batch, walked by the target.
 
-A DFlash block predicts every slot at once, so its top-k candidates at slot d do not depend on which token
-was chosen at slot d-1: a tree is a choice of (slot, rank) prefixes. Each node's chance of being the
-target's token, given that its parent was, comes from an `AcceptanceModel` that learns from what the target
-accepted; the tree keeps the `budget` nodes whose paths are most likely accepted (best first), so its
-expected committed tokens, 1 + the sum of every node's path probability, is as large as that budget allows.
+A tree grows from candidate lists: after a node at depth d holding a token, the drafter's candidates for
+slot d + 1, best first, with its probability of each (`Candidates`). A DFlash block predicts every slot at
+once, so its candidates at a slot are the same whatever was chosen before (`SlotCandidates`); DFlash 2's
+selector scores each candidate given the previous slot's pick (`PairCandidates`), and DSpark's Markov head
+re-biases each slot's logits with the previous token (`MarkovCandidates`): there a node's children depend
+on its own token. Lookup grows its trees from a trie of the continuations seen after the current n-gram
+(lookup.py). Each node's chance of being the target's token, given that its parent was, comes from an
+acceptance model that learns from what the target accepted; the tree keeps the `budget` nodes whose paths
+are most likely accepted (best first), so its expected committed tokens, 1 + the sum of every node's path
+probability, is as large as that budget allows.
 
 Rows are in depth-first order, children most likely first: the top-1 chain is rows 0..m, so a tree that is
 one path is exactly a linear block [last, d1..dm]. Each root-to-leaf path is one sequence id of a unified KV
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .kinds.head import Candidates, SlotCandidates
 from .sampling import sample_token
 from .target import state_seq_get, state_seq_set
 
@@ -92,33 +98,54 @@ class DraftTree:
         return range(first, end)
 
 
-def build_tree(anchor: int, ids: np.ndarray, accept: np.ndarray, budget: int) -> DraftTree:
-    """The `budget`-row tree (anchor included) with the largest expected accepted depth.
+def drafter_candidates(drafter: "Drafter", k: int) -> Callable[[np.ndarray, int], Candidates]:
+    """How one pass of this drafter (Drafter.draft's output after an anchor) is read as a tree's candidates:
+    its kind's head says (Head.tree_candidates)."""
+    return lambda out, anchor: drafter.head.tree_candidates(out, anchor, k)
 
-    ids (D, K): candidate tokens per slot 1..D, best first; accept (D, K): P(the target's token at slot d is
-    candidate k | the slots before were accepted). A node's path probability is the product of its path's
-    accept values; nodes are added best first (a node's first child and next sibling become candidates
-    once it is in), which is optimal where accept falls with the rank, as a drafter's ranking makes it.
-    """
+
+def build_tree(anchor: int, ids: np.ndarray, accept: np.ndarray, budget: int) -> DraftTree:
+    """The `budget`-row tree (anchor included) with the largest expected accepted depth, where a slot's
+    candidates are the same after any parent: ids (D, K), best first, for slots 1..D; accept (D, K): P(the
+    target's token at slot d is candidate k | the slots before were accepted)."""
     ids = np.asarray(ids)
     accept = np.asarray(accept, dtype=np.float64)
     if ids.ndim != 2 or accept.shape != ids.shape:
         raise ValueError(f"ids and accept must both be (slots, k), got {ids.shape} and {accept.shape}")
+    return grow_tree(anchor, lambda path: (ids[len(path) - 1], accept[len(path) - 1]), ids.shape[0], budget)
+
+
+def grow_tree(anchor: int, children: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]], n_slots: int,
+              budget: int) -> DraftTree:
+    """The `budget`-row tree (anchor included) with the largest expected accepted depth.
+
+    children(path): (ids, accept) of the candidates after the node whose path's tokens, the anchor first, are
+    `path` (its depth len(path) - 1 < n_slots), best first; accept: P(the target's token is that candidate |
+    the node was accepted). A node's path
+    probability is the product of its path's accept values; nodes are added best first (a node's first child
+    and next sibling become candidates once it is in), which is optimal where accept falls with the rank, as a
+    drafter's ranking makes it. children is asked once per node added (above depth n_slots).
+    """
     if budget < 1:
         raise ValueError(f"a tree needs at least its anchor row (budget >= 1), got {budget}")
-    n_slots, k = ids.shape
-    # a node: (parent node, slot, rank); node 0 is the anchor
-    nodes: list[tuple[int, int, int]] = [(-1, 0, -1)]
+    # a node: (parent node, depth, rank among its parent's candidates, token); node 0 is the anchor
+    nodes: list[tuple[int, int, int, int]] = [(-1, 0, -1, int(anchor))]
+    paths: list[tuple[int, ...]] = [(int(anchor),)]
     score: list[float] = [1.0]
-    # (-path probability, tie order, parent node, rank): a candidate at slot depth(parent) + 1
+    offered: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # node -> its children's (ids, accept)
+    # (-path probability, tie order, parent node, rank): a candidate at depth(parent) + 1
     heap: list[tuple[float, int, int, int]] = []
     order = 0
 
     def push(parent: int, rank: int) -> None:
         nonlocal order
-        slot = nodes[parent][1] + 1
-        if slot <= n_slots and rank < k:
-            prob = score[parent] * accept[slot - 1, rank]
+        if nodes[parent][1] >= n_slots:
+            return
+        if parent not in offered:
+            offered[parent] = children(paths[parent])
+        ids, accept = offered[parent]
+        if rank < len(ids):
+            prob = score[parent] * float(accept[rank])
             if prob > 0.0:  # a candidate that cannot be accepted is never worth a row
                 heapq.heappush(heap, (-prob, order, parent, rank))
                 order += 1
@@ -126,14 +153,18 @@ def build_tree(anchor: int, ids: np.ndarray, accept: np.ndarray, budget: int) ->
     push(0, 0)
     while heap and len(nodes) < budget:
         neg, _, parent, rank = heapq.heappop(heap)
-        nodes.append((parent, nodes[parent][1] + 1, rank))
-        score.append(-neg)
-        push(len(nodes) - 1, 0)  # its first child
+        ids = offered[parent][0]
+        token = int(ids[rank])
+        if token not in ids[:rank]:  # siblings hold distinct tokens (a candidate list may repeat one)
+            nodes.append((parent, nodes[parent][1] + 1, rank, token))
+            paths.append(paths[parent] + (token,))
+            score.append(-neg)
+            push(len(nodes) - 1, 0)  # its first child
         push(parent, rank + 1)  # its next sibling
-    return _depth_first(anchor, ids, nodes, score)
+    return _depth_first(nodes, score)
 
 
-def _depth_first(anchor: int, ids: np.ndarray, nodes: list[tuple[int, int, int]], score: list[float]) -> DraftTree:
+def _depth_first(nodes: list[tuple[int, int, int, int]], score: list[float]) -> DraftTree:
     """Rows in depth-first order, the likelier child first; leaves numbered in that order."""
     kids: list[list[int]] = [[] for _ in nodes]
     for n in range(1, len(nodes)):
@@ -143,11 +174,11 @@ def _depth_first(anchor: int, ids: np.ndarray, nodes: list[tuple[int, int, int]]
     stack = [0]
     while stack:
         n = stack.pop()
-        parent, slot, rank = nodes[n]
+        parent, depth, rank, token = nodes[n]
         row_of[n] = len(tokens)
-        tokens.append(anchor if n == 0 else int(ids[slot - 1, rank]))
+        tokens.append(token)
         parents.append(-1 if parent < 0 else row_of[parent])
-        depths.append(slot)
+        depths.append(depth)
         ranks.append(rank)
         probs.append(score[n])
         stack.extend(sorted(kids[n], key=lambda c: score[c]))  # the likeliest child is popped first
@@ -298,11 +329,16 @@ class CalibratedAcceptance:
     def _bins(self, q: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.EDGES, q, side="right")
 
+    def _rate(self) -> np.ndarray:
+        return (self._hits + self._prior_strength * self._prior) / (self._tried + self._prior_strength)
+
     def accept(self, q: np.ndarray) -> np.ndarray:
         """(D, K) acceptance of candidates the drafter gave probabilities q (D, K), slots 1..D."""
-        rate = (self._hits + self._prior_strength * self._prior) / (self._tried + self._prior_strength)
-        groups = self._group[: q.shape[0], None]
-        return rate[groups, self._bins(q)]
+        return self._rate()[self._group[: q.shape[0], None], self._bins(q)]
+
+    def accept_at(self, slot: int, q: np.ndarray) -> np.ndarray:
+        """(K,) acceptance of the candidates of one slot (1..n_slots), drafter probabilities q (K,)."""
+        return self._rate()[self._group[slot - 1], self._bins(q)]
 
     def observe(self, q: np.ndarray, target_ranks: Sequence[int]) -> None:
         """One verified cycle: q (D, K) its candidates' drafter probabilities; target_ranks as AcceptanceModel's."""
@@ -317,14 +353,6 @@ class CalibratedAcceptance:
                 self._hits[g, b[r]] += 1.0
 
 
-def candidates(logits: np.ndarray, k: int) -> np.ndarray:
-    """(D, k) the k likeliest tokens of each row of drafter logits, best first."""
-    k = min(k, logits.shape[1])
-    top = np.argpartition(logits, -k, axis=1)[:, -k:]
-    order = np.argsort(-np.take_along_axis(logits, top, axis=1), axis=1, kind="stable")
-    return np.take_along_axis(top, order, axis=1)
-
-
 def target_ranks(ids: np.ndarray, continuation: Sequence[int]) -> list[int]:
     """The rank of each target token among its slot's candidates (k where it is none of them)."""
     k = ids.shape[1]
@@ -336,66 +364,86 @@ def target_ranks(ids: np.ndarray, continuation: Sequence[int]) -> list[int]:
 
 
 class TreeShaper:
-    """Shapes each cycle's tree from the drafter's logits and learns, from what the target took, how its
-    candidates pass (a `CalibratedAcceptance`). One per draft source; `budget`: the most rows a tree may have,
-    the anchor included (the controller chooses each cycle's size up to it; a fixed block uses all of it).
+    """Shapes each cycle's tree from the drafter's candidates and learns, from what the target took, how they
+    pass (a `CalibratedAcceptance`). One per draft source; `budget`: the most rows a tree may have, the anchor
+    included (the controller chooses each cycle's size up to it; a fixed block uses all of it). `read` turns
+    the drafter's pass into its candidates (`drafter_candidates`: by kind); by default DFlash logits (D, V).
 
     After each verified tree it also says what trees of every smaller size would have committed (`TreeOutcome`),
     which the controller learns from: `take_outcome()` once the loop has committed the cycle's tokens."""
 
-    def __init__(self, n_slots: int, budget: int, *, k: int = 8) -> None:
+    def __init__(self, n_slots: int, budget: int, *, k: int = 8, drafter: "Drafter | None" = None) -> None:
         if budget < 2:
             raise ValueError(f"a tree needs the anchor and at least one draft (budget >= 2), got {budget}")
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.budget = budget
         self.k = k
+        self._read = (lambda out, anchor: SlotCandidates.from_logits(out, k)) if drafter is None else (
+            drafter_candidates(drafter, k))
         self.acceptance = CalibratedAcceptance(n_slots)
-        self._shaped: tuple[int, np.ndarray, np.ndarray, DraftTree] | None = None  # (n_past, ids, q, tree) of the last
-        self._accepted: tuple[int, list[int]] | None = None  # (where its bonus is committed, accepted drafts)
+        # (n_past, the candidates offered by (depth, token), tree) of the last tree shaped
+        self._shaped: tuple[int, dict[tuple[int, int], _Offered], DraftTree] | None = None
+        self._accepted: tuple[int, list[int]] | None = None  # (where its bonus is committed, the accepted path's rows)
         self._outcome: TreeOutcome | None = None
 
-    def shape(self, anchor: int, n_past: int, logits: np.ndarray, rows: int | None = None,
+    def shape(self, anchor: int, n_past: int, out: np.ndarray, rows: int | None = None,
               costs: "TreePrices | None" = None) -> DraftTree:
-        """The tree of `rows` rows (default: the budget) after `anchor` at n_past from the drafter's logits
-        (D, V) for slots 1..D: its likeliest nodes under the calibrated acceptance.
+        """The tree of `rows` rows (default: the budget) after `anchor` at n_past from the drafter's pass `out`
+        (Drafter.draft's output): its likeliest nodes under the calibrated acceptance.
 
         costs: cut it to the rows that pay best this cycle (`best_rows`: this cycle's candidates' chances
         over the measured verify costs), where the controller chose a tree sized per cycle."""
-        logits = np.asarray(logits, dtype=np.float64)
-        ids = candidates(logits, self.k)
-        z = logits - logits.max(axis=1, keepdims=True)
-        log_norm = np.log(np.exp(z).sum(axis=1, keepdims=True))
-        q = np.exp(np.take_along_axis(z, ids, axis=1) - log_norm)
-        return self.shape_candidates(anchor, n_past, ids, q, rows, costs)
+        return self.shape_from(anchor, n_past, self._read(out, anchor), rows, costs)
 
     def shape_candidates(self, anchor: int, n_past: int, ids: np.ndarray, q: np.ndarray,
                          rows: int | None = None, costs: "TreePrices | None" = None) -> DraftTree:
         """As `shape`, from each slot's candidates ids (D, k), best first, and their drafter probabilities q."""
+        return self.shape_from(anchor, n_past, SlotCandidates(ids, q), rows, costs)
+
+    def shape_from(self, anchor: int, n_past: int, cands: Candidates, rows: int | None = None,
+                   costs: "TreePrices | None" = None) -> DraftTree:
+        """As `shape`, from the candidates themselves."""
         rows = self.budget if rows is None else rows
         if not 2 <= rows <= self.budget:
             raise ValueError(f"rows must be in [2, {self.budget}] (the budget), got {rows}")
         self.observe(n_past, [anchor])  # the anchor is the last tree's bonus
-        accept = self.acceptance.accept(q)
-        tree = build_tree(anchor, ids, accept, rows)
+        offered: dict[tuple[int, int], _Offered] = {}
+
+        def children(path: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+            depth, token = len(path) - 1, path[-1]  # what a drafter's candidates depend on
+            got = offered.get((depth, token))
+            if got is None:
+                ids, q = cands.after(depth, token)
+                got = offered[(depth, token)] = _Offered(ids, q, self.acceptance.accept_at(depth + 1, q))
+            return got.ids, got.accept
+
+        tree = grow_tree(anchor, children, cands.n_slots, rows)
         if costs is not None:
-            cut = best_rows(tree, costs.tree_verify_s, costs.draft_s(len(q) + 1))
+            cut = best_rows(tree, costs.tree_verify_s, costs.draft_s(cands.n_slots + 1))
             if cut < len(tree):
-                tree = build_tree(anchor, ids, accept, cut)
-        self._shaped, self._accepted, self._outcome = (n_past, ids, q, tree), None, None
+                tree = grow_tree(anchor, children, cands.n_slots, cut)  # its first `cut` nodes, as best first adds them
+        self._shaped, self._accepted, self._outcome = (n_past, offered, tree), None, None
         return tree
 
     def observe(self, start: int, tokens: Sequence[int]) -> None:
         """Tokens committed at start.. (the loop's Commit). The commit at the tree's anchor holds the accepted
         drafts (the path the target took, hence the outcome); the next one starts with the bonus, the target's
-        token at the first slot it rejected, which the calibration needs."""
+        token at the first slot it rejected, which the calibration needs: at each slot of the path and the one
+        after, which of the candidates its parent offered the target took."""
         if self._accepted is not None and start == self._accepted[0]:
-            _, ids, q, _ = self._shaped
-            self.acceptance.observe(q, target_ranks(ids, [*self._accepted[1], tokens[0]]))
+            _, offered, tree = self._shaped
+            path = self._accepted[1]
+            keys = [(tree.depths[r], tree.tokens[r]) for r in path]
+            rows = [offered[key] for key in keys if key in offered]  # the last is absent at the deepest slot
+            if rows:
+                continuation = [tree.tokens[r] for r in path[1:]] + [tokens[0]]
+                self.acceptance.observe(np.stack([o.q for o in rows]),
+                                        target_ranks(np.stack([o.ids for o in rows]), continuation))
             self._shaped = self._accepted = None
-        elif self._shaped is not None and start == self._shaped[0] and (path := follow(self._shaped[3], tokens)):
-            self._accepted = (start + len(tokens), list(tokens[1:]))
-            self._outcome = tree_outcome(self._shaped[3], path)
+        elif self._shaped is not None and start == self._shaped[0] and (path := follow(self._shaped[2], tokens)):
+            self._accepted = (start + len(tokens), path)
+            self._outcome = tree_outcome(self._shaped[2], path)
         else:  # not the tree's commit (a generation cut between its draft and its verify): forget it
             self._shaped = self._accepted = self._outcome = None
 
@@ -403,6 +451,15 @@ class TreeShaper:
         """What the last shaped tree's cycle committed, and what smaller trees and its chain would have; once."""
         out, self._outcome = self._outcome, None
         return out
+
+
+@dataclass(frozen=True)
+class _Offered:
+    """The candidates a node offered its children: ids and the drafter's q, best first; accept as calibrated."""
+
+    ids: np.ndarray
+    q: np.ndarray
+    accept: np.ndarray
 
 
 def follow(tree: DraftTree, tokens: Sequence[int]) -> list[int] | None:
@@ -498,13 +555,22 @@ def keep_path(target: "Target", tree: DraftTree, n_past: int, path: Sequence[int
     target.remove(leaf, 0)
 
 
-def tree_unusable(target: "Target", memory: "TargetMemory", drafter: "Drafter") -> str | None:
-    """Why this pair's cycles cannot verify trees (they verify linear blocks then), or None."""
+def branching_refused(target: "Target", memory: "TargetMemory") -> str | None:
+    """Why this target's memory cannot verify a tree's branches however it is opened, or None: a recurrent state
+    (a hybrid target's) is one per sequence, advanced token by token, and a tree's branches would each need
+    their own copy of it, forked at every node that branches; its memory keeps no such copies, so its cycles
+    verify linear blocks (what dflash-doctor and a Session's tree_disabled_reason say)."""
     if not memory.keeps_trees:
         return (f"{target.architecture}: its recurrent state would need a copy per branch, which is not kept; "
                 "linear blocks instead")
+    return None
+
+
+def tree_unusable(target: "Target", memory: "TargetMemory") -> str | None:
+    """Why this target's cycles cannot verify trees (they verify linear blocks then), or None. Any drafter kind,
+    and lookup, shape trees."""
+    if (refused := branching_refused(target, memory)) is not None:
+        return refused
     if not target.kv_unified:
         return "the target's KV cache is not unified: a node shared by several paths needs one"
-    if not drafter.head.trees:
-        return f"{drafter.kind} drafts are not shaped into trees (DFlash drafters only)"
     return None

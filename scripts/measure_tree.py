@@ -14,6 +14,7 @@ acceptance model learns online from those outcomes only (what a live loop sees),
     python scripts/measure_tree.py curve --out /tmp/curve.json [--n-gpu-layers -1]   # this machine's t(n)
     python scripts/measure_tree.py live --prompts ../shared/data/train_prompts.jsonl   # τ through the Session
     python scripts/measure_tree.py live --per-category 6 --max-tokens 96   # every benchmark prompt: τ, replies = plain
+    python scripts/measure_tree.py live --drafter DSPARK.gguf   # another drafter kind; --lookup: lookup alone
 The prompts: `train_prompts.jsonl`'s held-out split (seed 0, 40 per category, the benchmark prompts excluded,
 as docs/TRAINING.md trained the embedded drafter), taken after the 8 per category the training evaluated on.
 """
@@ -305,31 +306,49 @@ def curve(args: argparse.Namespace) -> None:
 def live(args: argparse.Namespace) -> None:
     """τ through the Session itself, a 16-row tree against the 16-token block, fixed shapes, greedy, on the
     same held-out prompts: the loop's own figure next to the replay's. Also how many replies of each shape are
-    plain decoding's token for token (tests/test_tree.py checks three prompts; this, every prompt given)."""
+    plain decoding's token for token (tests/test_tree.py checks three prompts; this, every prompt given).
+    --drafter: another drafter of the embedded target (any kind: DFlash 2, DSpark); --lookup: no drafter,
+    lookup alone (its trees are the continuations' trie); --text: raw prompts (no chat template) instead."""
     from dflash_gguf import Session
+    from dflash_gguf.defaults import embedded_target
 
-    if args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts, as collect
+    if args.lookup and args.drafter is not None:
+        raise SystemExit("measure_tree.py live: --lookup measures lookup alone, without --drafter")
+    pair = (str(embedded_target()), None) if args.lookup else (
+        (None, None) if args.drafter is None else (str(embedded_target()), str(args.drafter)))
+
+    if args.text:
+        prompts = args.text
+    elif args.prompts is None:  # the built-in benchmark suite's math, code and chat prompts, as collect
         from dflash_gguf.bench.suite import load_suite
 
         prompts = load_suite(categories=("math", "code", "chat"), limit=args.per_category)
     else:
         prompts = held_out(args.prompts, args.per_category, args.skip)
+
+    def answer(s: "Session", prompt, **settings):
+        if args.text:
+            return s.generate(prompt, max_tokens=args.max_tokens, **settings)
+        return s.chat([{"role": "user", "content": prompt.prompt}], max_tokens=args.max_tokens, **settings)
+
     plain: list[list[int]] = []
     for nodes in (0, args.tree_nodes):
         committed = cycles = identical = 0
-        with Session(n_ctx=2048, n_threads=args.threads, lookup=False, tree_nodes=nodes) as s:
+        with Session(*pair, n_ctx=2048, n_threads=args.threads, lookup=args.lookup, tree_nodes=nodes) as s:
             for i, p in enumerate(prompts):
-                messages = [{"role": "user", "content": p.prompt}]
                 if nodes == 0:
                     s.reset()
-                    plain.append(list(s.chat(messages, max_tokens=args.max_tokens, speculative=False).tokens))
+                    plain.append(list(answer(s, p, speculative=False).tokens))
                 s.reset()
-                r = s.chat(messages, max_tokens=args.max_tokens, block_size=16)
+                r = answer(s, p, block_size=16)
                 drafted = r.stats.cycles - r.stats.plain_cycles
                 committed += r.stats.n_accepted + drafted
                 cycles += drafted
                 identical += list(r.tokens) == plain[i]
         name = "linear block 16" if nodes == 0 else f"tree of {nodes} rows"
+        if not cycles:
+            print(f"{name}: no drafting cycle over {len(prompts)} prompts")
+            continue
         print(f"{name}: τ {committed / cycles:.2f} over {cycles} cycles, {len(prompts)} prompts, "
               f"{identical} of {len(prompts)} replies identical to plain decoding", flush=True)
 
@@ -365,6 +384,9 @@ def main() -> None:
     lv.add_argument("--max-tokens", type=int, default=128)
     lv.add_argument("--tree-nodes", type=int, default=16)
     lv.add_argument("--threads", type=int, default=1)
+    lv.add_argument("--drafter", type=Path, help="a drafter GGUF for the embedded target (default: the shipped one)")
+    lv.add_argument("--lookup", action="store_true", help="no drafter: lookup drafts alone")
+    lv.add_argument("--text", action="append", help="a raw prompt (no chat template), instead of --prompts; repeatable")
     v = sub.add_parser("curve")
     v.add_argument("--out", type=Path, required=True)
     v.add_argument("--n-gpu-layers", type=int, default=0)

@@ -157,13 +157,13 @@ def test_the_server_tokenizes_a_prompt_once(witnessed, monkeypatch):
     s, _ = witnessed
     s.reset()
     calls: list[str] = []
-    tokenize = s.target.tokenize
+    tokenize = s.target.vocab.tokenize
 
     def counted(text, **kw):
         calls.append(text)
         return tokenize(text, **kw)
 
-    monkeypatch.setattr(s.target, "tokenize", counted)
+    monkeypatch.setattr(s.target.vocab, "tokenize", counted)
     engine = Engine([s], ServerConfig(), Metrics())
     job = Job(messages=[{"role": "user", "content": "Name three colours."}], prompt=None,
               gen={"max_tokens": 4, "block_size": 4})

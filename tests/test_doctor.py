@@ -21,6 +21,7 @@ def test_the_report_measures_the_pair_on_this_machine(capsys):
         assert pair["target_placement"] == {"backend": "CPU", "device": "CPU", "layers_offloaded": "0/31", "devices": []}
         assert pair["drafter_placement"]["device"] == "CPU"
     assert pair["kind"] == "dflash" and pair["block_size"] == 16 and len(pair["fingerprint"]) >= 16
+    assert pair["trees_off_because"] is None  # a dense target: cycles may verify trees
     relative = {int(n): v for n, v in report["costs"]["verify_relative"].items()}
     assert relative[1] == 1.0 and all(relative[n] <= relative[n + 1] for n in range(1, 16))  # measured, monotone
     ceiling = {int(n): v for n, v in report["ceiling"].items()}
@@ -34,7 +35,7 @@ def test_the_report_measures_the_pair_on_this_machine(capsys):
     assert main(["--n-ctx", "1024", "--threads", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("build ") and "t(n)/t(1)" in text and "advice " in text
-    assert "devices " in text and " layers offloaded)" in text
+    assert "devices " in text and " layers offloaded)" in text and "trees      verifiable" in text
     if not gpu_devices():
         assert "devices CPU;" in text and "on CPU (0/31 layers offloaded)" in text
 

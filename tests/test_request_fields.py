@@ -5,6 +5,7 @@ it names, and refuses a bad value naming the request's own field (issue 34, item
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 import pytest
 
@@ -87,3 +88,58 @@ def test_the_declared_sampling_fields_set_what_they_name():
 def test_a_field_spelt_for_no_known_protocol_is_refused_where_it_is_declared():
     with pytest.raises(ValueError, match="no protocol 'antropic'"):
         fields.RequestField("top_k", {"antropic": fields.Spelling("top_k", int)})
+
+
+def _draft_block(n):
+    """A toy field's own reading: null is a block of 2, a negative block refused in the field's words."""
+    if n is None:
+        return 2
+    if n < 0:
+        raise ValueError("must be positive")
+    return n
+
+
+def test_a_field_may_take_several_names_on_a_protocol_and_read_its_value_its_own_way(engine, monkeypatch):
+    """Spelling.also: the protocol's other names, read where the first is null (OpenAI chat's
+    max_completion_tokens, then max_tokens); RequestField.read: the value, null included, as the setting,
+    a ValueError a 400 naming the name the request used."""
+    block = fields.RequestField("block_size", {"chat": fields.Spelling(
+        "draft_block", Optional[int], also=(fields.Spelling("n_draft", Optional[int]),))}, read=_draft_block)
+    monkeypatch.setattr(fields, "FIELDS", (*fields.FIELDS, block))
+
+    def config(given, protocol="chat"):
+        base, translate, body = PROTOCOLS[protocol]
+        model = fields.declared(base, protocol)
+        return engine.prepare(translate(model.model_validate({**body, **given}))).config.block_size
+
+    assert config({"n_draft": 5}) == 5 and config({"draft_block": 3, "n_draft": 5}) == 3
+    assert config({}) == 2  # the field's own null
+    assert config({}, "completions") is None  # no such field: the server's
+    with pytest.raises(APIError) as e:
+        config({"n_draft": -1})
+    assert e.value.status == 400 and e.value.param == "n_draft" and e.value.message == "n_draft: must be positive"
+    assert fields.renames("chat")["block_size"] == "draft_block"  # a setting refused later: the preferred name
+
+
+@pytest.mark.parametrize("protocol, name", [("chat", "stop"), ("completions", "stop"), ("anthropic", "stop_sequences")])
+def test_stop_strings_are_one_field_refused_in_each_protocols_name(protocol, name):
+    model, translate, body = PROTOCOLS[protocol]
+    assert translate(model.model_validate({**body, name: ["x", "y"]})).user_stops == ["x", "y"]
+    with pytest.raises(APIError) as e:
+        translate(model.model_validate({**body, name: ["x", ""]}))
+    assert e.value.param == name and e.value.message == f"{name}: stop strings must be non-empty"
+
+
+def test_the_reply_length_penalties_and_biases_read_nulls_as_each_api_means_them():
+    """OpenAI's max_tokens 0 or null leaves the server's --max-tokens, and its null penalties and bias are off;
+    Anthropic has no penalties, so they stay the server's; the Responses API's length is max_output_tokens."""
+    chat = openai_api.chat_job(openai_api.ChatCompletionRequest.model_validate(
+        {"messages": ASK, "max_tokens": 0, "presence_penalty": None, "frequency_penalty": 0.5, "logit_bias": None}))
+    assert "max_tokens" not in chat.gen and chat.user_stops == []
+    assert chat.gen["presence_penalty"] == 0.0 and chat.gen["frequency_penalty"] == 0.5 and chat.gen["logit_bias"] == {}
+    completion = openai_api.completion_job(openai_api.CompletionRequest.model_validate({"prompt": "Hi"}))
+    assert completion.gen["max_tokens"] == 16  # llama_cpp's completions default
+    anthropic = PROTOCOLS["anthropic"][1](PROTOCOLS["anthropic"][0].model_validate(PROTOCOLS["anthropic"][2]))
+    assert anthropic.gen["max_tokens"] == 2 and not {"presence_penalty", "logit_bias"} & set(anthropic.gen)
+    responses = PROTOCOLS["responses"][1](ResponsesRequest.model_validate({"input": "Hi", "max_output_tokens": 7}))
+    assert responses.gen["max_tokens"] == 7 and fields.renames("responses") == {"max_tokens": "max_output_tokens"}

@@ -329,14 +329,21 @@ def test_sampled_tree_decoding_follows_the_target(reference, settings):
 
 @pytest.mark.slow  # builds a tiny hybrid target
 def test_a_hybrid_target_verifies_linear_blocks_and_says_why(hybrid_models):
-    """A recurrent state cannot branch without a copy per path: the drafter drafts linear blocks there (the code
-    the hybrid suite checks against plain decoding), and the Session and its stats say why."""
+    """A recurrent state cannot branch without a copy per path: the drafter and lookup draft linear blocks there
+    (the code the hybrid suite checks against plain decoding), and the Session, its stats and dflash-doctor say why."""
+    from dflash_gguf.config import SessionOptions
+    from dflash_gguf.doctor import diagnose, to_text
+
     target, drafter = hybrid_models.target("qwen35"), hybrid_models.drafter("qwen35", "dflash")
-    with Session(target, drafter, n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16) as s:
+    with Session(target, drafter, n_ctx=N_CTX, n_batch=64, n_threads=1, tree_nodes=16, lookup=True) as s:
         assert "recurrent state" in s.tree_disabled_reason
-        r = s.generate("The capital of France is", max_tokens=24, block_size=8)
+        prompt = "The capital of France is Paris. The capital of France is Paris. The capital of France is"
+        r = s.generate(prompt, max_tokens=24, block_size=8)
         assert r.stats.tree is None and r.stats.tree_disabled_reason == s.tree_disabled_reason
         assert r.stats.n_drafted > 0
+    report = diagnose(target, drafter, SessionOptions(n_ctx=N_CTX, n_threads=1))
+    assert report["pair"]["trees_off_because"] == s.tree_disabled_reason
+    assert f"trees      off: {s.tree_disabled_reason}" in to_text(report)
 
 
 def test_a_tree_outcome_says_what_every_smaller_tree_and_its_chain_would_have_committed():

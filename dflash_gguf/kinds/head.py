@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -63,6 +63,54 @@ class OutputTransforms:
         return logits
 
 
+# -- a draft tree's candidates (tree.py grows trees from them) --------------------------------------------
+
+class Candidates(Protocol):
+    """A drafter's candidates after a node of a tree (one cycle's draft, read as the tree grows)."""
+
+    n_slots: int  # the deepest slot it predicts
+
+    def after(self, depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (k,), q (k,)): the candidates for slot depth + 1 after a node at `depth` holding `token` (the
+        anchor is depth 0), best first, and the drafter's probability of each; a function of (depth, token)."""
+        ...
+
+
+def candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """(D, k) the k likeliest tokens of each row of drafter logits, best first."""
+    k = min(k, logits.shape[1])
+    top = np.argpartition(logits, -k, axis=1)[:, -k:]
+    order = np.argsort(-np.take_along_axis(logits, top, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(top, order, axis=1)
+
+
+def top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, q): the k likeliest tokens of each row of logits (n, V), best first, and their softmax probabilities."""
+    logits = np.asarray(logits, dtype=np.float64)
+    ids = candidates(logits, k)
+    z = logits - logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return ids, np.exp(np.take_along_axis(z, ids, axis=1) - log_norm)
+
+
+class SlotCandidates:
+    """DFlash: a block predicts every slot at once, so a slot's candidates do not depend on the parent."""
+
+    def __init__(self, ids: np.ndarray, q: np.ndarray) -> None:
+        self.ids, self.q = np.asarray(ids), np.asarray(q, dtype=np.float64)
+        if self.ids.ndim != 2 or self.q.shape != self.ids.shape:
+            raise ValueError(f"ids and q must both be (slots, k), got {self.ids.shape} and {self.q.shape}")
+        self.n_slots = self.ids.shape[0]
+
+    @classmethod
+    def from_logits(cls, logits: np.ndarray, k: int) -> "SlotCandidates":
+        """The k likeliest tokens of each slot's logits (D, V), slots 1..D."""
+        return cls(*top(logits, k))
+
+    def after(self, depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids[depth], self.q[depth]
+
+
 class Head(ABC):
     """What the host computes over one drafted block's output rows; one per drafter context.
 
@@ -73,7 +121,6 @@ class Head(ABC):
     logits: bool = True  # each block slot outputs its logits
     nextn: bool = False  # and the context outputs its nextn rows (llama_ext.set_embeddings_nextn)
     confidences: bool = False  # `rows` gives each slot's predicted P(accepted)
-    trees: bool = True  # its rows are per-slot logits that a tree.TreeShaper can shape
 
     @abstractmethod
     def rows(self, logits: np.ndarray | None, nextn: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -86,6 +133,11 @@ class Head(ABC):
         on the token before (DFlash's logits; DFlash2's lattice, which holds every predecessor's scores) keeps
         the row."""
         return row
+
+    def tree_candidates(self, rows: np.ndarray, anchor: int, k: int) -> Candidates:
+        """The block's candidates as a draft tree grows them after `anchor` (k per node at most), from `rows`
+        (what `rows()` gave): per-slot logits, a slot's candidates the same below any parent (DFlash's)."""
+        return SlotCandidates.from_logits(rows, k)
 
     @abstractmethod
     def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,

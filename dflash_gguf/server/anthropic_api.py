@@ -20,8 +20,8 @@ from typing import Any, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import Terms
-from .fields import declared, settings_of
-from .schemas import Job, Message, constraint_setting, refuse, refuse_unencodable, stop_strings
+from .fields import declared
+from .schemas import Job, Message, constraint_setting, refuse, refuse_unencodable, settings
 
 # the chat request's paths in Anthropic's terms (a message's origin ends where \0 stands: errors.Terms)
 TERMS = Terms("anthropic", (
@@ -54,16 +54,14 @@ class AnthropicMessage(BaseModel):
 
 
 class MessagesRequest(BaseModel):
-    """POST /v1/messages. Every field the anthropic 2.x SDK sends is acted on (the sampling ones declared in
-    fields.FIELDS), accepted as neutral or refused by name in messages_job; a field this model does not
+    """POST /v1/messages. Every field the anthropic 2.x SDK sends is acted on (max_tokens, stop_sequences and
+    the sampling ones declared in fields.FIELDS), accepted as neutral or refused by name in messages_job; a field this model does not
     declare is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: List[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: Optional[Union[str, List[AnthropicBlock]]] = None
-    stop_sequences: Optional[List[str]] = None
     stream: bool = False
     tools: Optional[List[dict[str, Any]]] = None
     tool_choice: Optional[dict[str, Any]] = None
@@ -114,9 +112,8 @@ def messages_job(req: MessagesRequest) -> Job:
     ids: set[str] = set()  # the tool_use ids so far: a tool_result answers one of them
     for i, m in enumerate(req.messages):
         messages += _anthropic_message(m, f"messages.{i}.content", ids, origins, len(messages))
-    gen = settings_of(req, "anthropic") | constraint
-    gen["max_tokens"] = req.max_tokens
-    return Job(messages, None, gen, stop_strings(req.stop_sequences, "stop_sequences"), req.stream, True,
+    gen = settings(req, "anthropic") | constraint
+    return Job(messages, None, gen, req.stream, True,
                tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=thinking_off,
                origins=origins, terms=TERMS)
 

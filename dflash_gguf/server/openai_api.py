@@ -4,9 +4,9 @@ and their translation into a Job (`chat_job`, `completion_job`).
 What the Session cannot do is refused with a 400 naming the field, never dropped: n > 1 (one choice per
 request) and the legacy `functions` / `function_call` (use tools / tool_choice). Tools are acted on where
 the model's chat template takes them: the Session renders them, holds each call to its tool's schema and
-the route returns the calls as tool_calls. The sampling fields (fields.FIELDS) are acted on through the
-speculative loop, and so are logprobs / top_logprobs (the target's log-softmax), presence_penalty,
-frequency_penalty and logit_bias (token ids). Structured output is acted on: `grammar` (GBNF) and
+the route returns the calls as tool_calls. The fields of fields.FIELDS (sampling, the penalties, logit_bias
+as token ids, stop, max_tokens) are acted on through the speculative loop, and so are logprobs /
+top_logprobs (the target's log-softmax). Structured output is acted on: `grammar` (GBNF) and
 `response_format` (json_object, json_schema) become the Session's grammar / json_schema constraint.
 Parameters left at their neutral value are accepted, since clients send the defaults; metadata,
 service_tier and the like change nothing about a local model's reply and are accepted as neutral.
@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
 from .errors import Terms
-from .fields import declared, settings_of
-from .schemas import (Job, Message, check_neutral, constraint_setting, max_tokens_setting, refuse,
-                      refuse_unencodable, stop_strings, template_variables)
+from .fields import declared
+from .schemas import (Job, Message, check_neutral, constraint_setting, refuse, refuse_unencodable, settings,
+                      template_variables)
 
 CHAT_TERMS = Terms("chat")  # the chat request's message paths are OpenAI chat's
 COMPLETION_TERMS = Terms("completions")
@@ -74,14 +74,12 @@ _N_LOGPROBS = Field(default=None, ge=0, le=20)  # OpenAI's bound on alternatives
 
 
 class ChatCompletionRequest(CreateChatCompletionRequest):
-    """POST /v1/chat/completions: llama_cpp.server's request plus what the openai SDK sends, and the sampling
-    fields of fields.FIELDS; an undeclared field is a 400 naming it, never dropped."""
+    """POST /v1/chat/completions: llama_cpp.server's request plus what the openai SDK sends, and the fields
+    of fields.FIELDS; an undeclared field is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
     messages: List[_OpenAIMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    max_tokens: Optional[int] = Field(default=None, ge=0)
     stream_options: Optional[StreamOptions] = None
     top_logprobs: Optional[int] = _N_LOGPROBS
     parallel_tool_calls: Optional[bool] = None
@@ -114,8 +112,8 @@ ChatCompletionRequest = declared(ChatCompletionRequest, "chat")  # type: ignore[
 
 
 class CompletionRequest(CreateCompletionRequest):
-    """POST /v1/completions: llama_cpp.server's request plus stream_options and the sampling fields of
-    fields.FIELDS; an undeclared field is a 400."""
+    """POST /v1/completions: llama_cpp.server's request plus stream_options and the fields of fields.FIELDS;
+    an undeclared field is a 400."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -147,6 +145,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
         if getattr(req, legacy) is not None:
             raise refuse(legacy, f"the legacy function-calling field is not supported: use {instead}")
     _check_choices(req)
+    _check_bias_keys(req)
     check_neutral(req, {
         "mirostat_mode": 0, "min_tokens": 0,
         "store": False, "modalities": (["text"],), "audio": None, "web_search_options": None,
@@ -173,11 +172,9 @@ def chat_job(req: ChatCompletionRequest) -> Job:
         if role == "tool":
             message["tool_call_id"] = m.get("tool_call_id")
         messages.append(message)
-    gen = settings_of(req, "chat") | _penalties(req) | constraint
+    gen = settings(req, "chat") | constraint
     gen["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
-    gen |= max_tokens_setting(req.max_completion_tokens or req.max_tokens)
-    stops = stop_strings(req.stop)
-    return Job(messages, None, gen, stops, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+    return Job(messages, None, gen, req.stream, bool(req.stream_options and req.stream_options.include_usage),
                tools=[dict(t) for t in req.tools] if req.tools else None, tool_choice=req.tool_choice,
                parallel_tool_calls=req.parallel_tool_calls,
                chat_template_kwargs=template_variables(req.chat_template_kwargs, req.reasoning_effort, "reasoning_effort"),
@@ -187,6 +184,7 @@ def chat_job(req: ChatCompletionRequest) -> Job:
 def completion_job(req: CompletionRequest) -> Job:
     refuse_unencodable(req)
     _check_choices(req)
+    _check_bias_keys(req)
     check_neutral(req, {"mirostat_mode": 0, "min_tokens": 0, "echo": False, "suffix": None})
     prompt = req.prompt
     if isinstance(prompt, list):
@@ -195,12 +193,11 @@ def completion_job(req: CompletionRequest) -> Job:
         prompt = prompt[0]
     if not prompt:
         raise refuse("prompt", "the prompt is empty", "invalid_value")
-    gen = settings_of(req, "completions") | _penalties(req)
+    gen = settings(req, "completions")
     gen["logprobs"] = req.logprobs
     if req.grammar is not None:
         gen |= constraint_setting("grammar", req.grammar, "grammar")
-    gen |= max_tokens_setting(req.max_tokens)
-    return Job(None, prompt, gen, stop_strings(req.stop), req.stream,
+    return Job(None, prompt, gen, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), terms=COMPLETION_TERMS)
 
 
@@ -229,12 +226,7 @@ def _check_choices(req: ChatCompletionRequest | CompletionRequest) -> None:
                           "of its own; send separate requests, which reuse the cached prompt")
 
 
-def _penalties(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """The OpenAI penalties and logit_bias (token ids as strings) as GenerationConfig settings (checked there, a
-    bad one a 400 naming it)."""
+def _check_bias_keys(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """logit_bias keys are token ids (as strings), not token texts."""
     if req.logit_bias_type not in (None, "input_ids"):
         raise refuse("logit_bias_type", "only token ids are supported as logit_bias keys ('input_ids')")
-    return {
-        "presence_penalty": float(req.presence_penalty or 0.0), "frequency_penalty": float(req.frequency_penalty or 0.0),
-        "logit_bias": dict(req.logit_bias or {}),
-    }

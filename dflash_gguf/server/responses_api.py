@@ -19,8 +19,8 @@ from typing import Any, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError, Terms
-from .fields import declared, settings_of
-from .schemas import Job, Message, constraint_setting, max_tokens_setting, refuse, refuse_unencodable, template_variables
+from .fields import declared
+from .schemas import Job, Message, constraint_setting, refuse, refuse_unencodable, settings, template_variables
 
 # the chat request's paths in the Responses API's terms (an item's origin ends where \0 stands: errors.Terms)
 TERMS = Terms("responses", (
@@ -57,7 +57,6 @@ class ResponsesRequest(BaseModel):
     model: Optional[str] = None
     input: Union[str, List[dict[str, Any]]] = Field(min_length=1)
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = Field(default=None, ge=1)
     stream: bool = False
     store: bool = True
     previous_response_id: Optional[str] = None
@@ -80,7 +79,7 @@ class ResponsesRequest(BaseModel):
     client_metadata: Optional[dict[str, Any]] = None  # Codex's ids for its own logs
 
 
-ResponsesRequest = declared(ResponsesRequest, "responses")  # type: ignore[misc]  # the sampling fields (fields.FIELDS)
+ResponsesRequest = declared(ResponsesRequest, "responses")  # type: ignore[misc]  # fields.FIELDS: sampling, max_output_tokens
 
 
 class ResponseStore:
@@ -128,13 +127,12 @@ def job(req: ResponsesRequest, store: ResponseStore) -> tuple[Job, list[Message]
         origins["messages.0"] = "instructions"
     conversation += _input_messages(req.input, {c["id"] for m in conversation for c in m.get("tool_calls", ())},
                                     origins, len(conversation))
-    gen = settings_of(req, "responses") | _text_format(req.text)
-    gen |= max_tokens_setting(req.max_output_tokens)
+    gen = settings(req, "responses") | _text_format(req.text)
     reasoning = req.reasoning or {}
     unknown = sorted(set(reasoning) - REASONING_KEYS)
     if unknown:
         raise refuse(f"reasoning.{unknown[0]}", "not supported")
-    return Job(conversation, None, gen, [], req.stream, True, tools=function_tools(req.tools)[0],
+    return Job(conversation, None, gen, req.stream, True, tools=function_tools(req.tools)[0],
                tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
                chat_template_kwargs=template_variables(None, reasoning.get("effort"), "reasoning.effort"),
                origins=origins, terms=TERMS), conversation

@@ -19,6 +19,7 @@ from ..chat.request import unencodable
 from ..checks import SettingError
 from ..config import GenerationConfig
 from .errors import APIError, Terms
+from .fields import settings_of
 
 
 Message = dict[str, Any]
@@ -30,12 +31,12 @@ CONSTRAINT_FIELD = "constraint_field"
 
 @dataclass
 class Job:
-    """One request, reduced to what a Session takes: chat messages or a raw prompt, and generation arguments."""
+    """One request, reduced to what a Session takes: chat messages or a raw prompt, and generation arguments
+    (the request's stop strings among them, kept apart as `user_stops`: a reply they end names its stop)."""
 
     messages: list[Message] | None
     prompt: str | None
     gen: dict[str, Any]
-    user_stops: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     # OpenAI-shaped tools and tool_choice (the Anthropic route maps its own onto them), checked by the Session
@@ -49,15 +50,26 @@ class Job:
     # (errors.Terms: `messages.3` -> `input.5`); empty: the request's messages are the chat's
     origins: dict[str, str] = field(default_factory=dict)
     terms: Terms = field(default_factory=lambda: Terms("chat"))  # its protocol's: a refusal names its own field
+    user_stops: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.gen = dict(self.gen)
         self.constraint_field = self.gen.pop(CONSTRAINT_FIELD, self.constraint_field)
+        self.user_stops = list(self.gen.pop("stop", []))
 
     def chat_request(self, settings: dict[str, Any]) -> ChatRequest:
         """The chat floor's request for this job, generating with `settings`."""
         return ChatRequest(self.messages or [], self.tools, self.tool_choice, self.parallel_tool_calls,
                            self.chat_template_kwargs, split_thought=self.split_thought, settings=settings)
+
+
+def settings(req: BaseModel, protocol: str) -> dict[str, Any]:
+    """The generation settings a request gives through fields.FIELDS, a value a field refuses a 400 naming the
+    request's field."""
+    try:
+        return settings_of(req, protocol)
+    except SettingError as e:
+        raise refuse(e.field, e.problem, "invalid_value") from None
 
 
 def refuse_unencodable(body: BaseModel) -> None:
@@ -77,13 +89,6 @@ def check_neutral(req: BaseModel, neutral: dict[str, Any]) -> None:
         got = getattr(req, name, None)
         if got not in (None, value) and not (isinstance(value, tuple) and got in value):
             raise refuse(name, f"not supported by dflash-serve (got {got!r}); leave it unset")
-
-
-def stop_strings(stop: str | list[str] | None, param: str = "stop") -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise refuse(param, "stop strings must be non-empty", "invalid_value")
-    return stops
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
@@ -115,8 +120,3 @@ def constraint_setting(kind: str, source: Any, param: str) -> dict[str, Any]:
         raise refuse(param, e.problem, "invalid_value") from None
     return {kind: source, CONSTRAINT_FIELD: param}
 
-
-def max_tokens_setting(n: int | None) -> dict[str, Any]:
-    """A request's reply length; none named (or 0, llama_cpp's "no limit") leaves the server's --max-tokens.
-    The engine clamps it to what the context has left."""
-    return {"max_tokens": n} if n else {}

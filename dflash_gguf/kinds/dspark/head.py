@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
 
 from ...sampling import SamplingParams, probabilities, sample_token
 from ...schema import Keys, Tensors
-from ..head import Head, HeadSource, OutputTransforms, Proposal
+from ..head import Head, HeadSource, OutputTransforms, Proposal, top
 
 _EPS = 1e-7
 
@@ -101,7 +102,6 @@ class DSparkHead(Head):
     """The graph's Markov-biased logits of each prediction slot, and (with a confidence head) each slot's
     predicted acceptance, broadcast across its nextn row."""
 
-    trees = False  # a slot's logits are biased by the pick before it
 
     def __init__(self, source: HeadSource) -> None:
         self.transforms = OutputTransforms(source)
@@ -118,6 +118,10 @@ class DSparkHead(Head):
     def condition(self, row: np.ndarray, graph_prev: int, prev: int) -> np.ndarray:
         """The Markov bias of `graph_prev` moved to `prev`'s (a copy; the row itself if they are equal)."""
         return self.markov.correct(row, graph_prev, prev)
+
+    def tree_candidates(self, rows: np.ndarray, anchor: int, k: int) -> "MarkovCandidates":
+        """A node's children from its slot's row re-biased on the node's own token (every node re-runs the head)."""
+        return MarkovCandidates(rows, anchor, self.markov, self.transforms, k)
 
     def propose(self, rows: np.ndarray, confidences: np.ndarray | None, last_token: int, params: SamplingParams,
                 rng: np.random.Generator) -> Proposal:
@@ -145,3 +149,23 @@ class DSparkHead(Head):
             tokens[i] = sample_token(q[i], rng)
             graph_prev, prev = int(rows[i].argmax()), int(tokens[i])
         return Proposal(tokens=tokens, q=q, confidences=out_conf)
+
+
+class MarkovCandidates:
+    """DSpark: the graph biased slot i's logits with its Markov head on the previous slot's argmax (the anchor
+    before slot 1); a node's children are that row re-biased on the node's own token (MarkovHead.correct), as
+    a sampled DSpark draft re-conditions on the token drawn, so every node re-runs the head. The rows are the
+    drafter's output view: the tree is grown before the drafter runs again."""
+
+    def __init__(self, rows: np.ndarray, anchor: int, head: "MarkovHead | None",
+                 transform: Callable[[np.ndarray], np.ndarray], k: int) -> None:
+        self.rows, self.head, self.transform, self.k = rows, head, transform, k
+        self.n_slots = rows.shape[0]
+        self.graph_prev = [int(anchor)] + [int(r.argmax()) for r in rows[:-1]]  # what the graph conditioned on
+
+    def after(self, depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        row = self.rows[depth]
+        if self.head is not None:
+            row = self.head.correct(row, self.graph_prev[depth], int(token))
+        ids, q = top(self.transform(np.asarray(row)[None]), self.k)
+        return ids[0], q[0]
