@@ -90,6 +90,28 @@ def test_claude_codes_recorded_requests_are_taken(client, name):
     assert r.json()["input_tokens"] > (20_000 if "turn" in name else 300)
 
 
+TURNS = {"claude-code-2.1.197-turn.json": "/v1/messages/count_tokens", "codex-0.171.0-turn.json": "/v1/responses/input_tokens",
+         "opencode-1.18.33-turn.json": None}  # chat completions has no count route
+
+
+@pytest.mark.parametrize("name", sorted(TURNS))
+def test_each_agents_recorded_turn_is_translated_and_refused_only_for_its_length(client, name):
+    """The exact body and headers each agent's default turn sent, on its own route: translated and rendered,
+    then refused before any prefill for the one reason it must be on this 512-token server, its length (the
+    length count_tokens / input_tokens gives, where the API has such a route)."""
+    request = recorded(name)
+    r = client.post(request["path"], json=request["body"], headers=replay_headers(request))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded", error
+    n = int(error["message"].split("the prompt is ")[1].split()[0])
+    assert n > 5_000
+    if TURNS[name] is not None:
+        body = {k: v for k, v in request["body"].items() if k not in ("max_tokens", "stream")} \
+            if name.startswith("claude") else request["body"]
+        assert client.post(TURNS[name], json=body, headers=replay_headers(request)).json()["input_tokens"] == n
+
+
 def test_codexs_recorded_request_is_taken(client):
     request = recorded("codex-0.171.0-turn.json")
     r = client.post("/v1/responses/input_tokens", json=request["body"], headers=replay_headers(request))
