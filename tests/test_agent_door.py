@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +25,7 @@ from dflash_gguf import Session, defaults
 from dflash_gguf.chat.template import place_system_messages, renders_late_system
 from dflash_gguf.server import ServerConfig
 from dflash_gguf.server.sse import heartbeat
-from test_server import serve
+from test_server import held, serve
 from tool_fixtures import TEMPLATES, THINKING_TEMPLATE
 
 RECORDED = Path(__file__).parent / "agent_requests"
@@ -86,6 +88,28 @@ def test_claude_codes_recorded_requests_are_taken(client, name):
     r = client.post("/v1/messages/count_tokens", json=body, headers=replay_headers(request))
     assert r.status_code == 200, r.text
     assert r.json()["input_tokens"] > (20_000 if "turn" in name else 300)
+
+
+TURNS = {"claude-code-2.1.197-turn.json": "/v1/messages/count_tokens", "codex-0.171.0-turn.json": "/v1/responses/input_tokens",
+         "opencode-1.18.33-turn.json": None}  # chat completions has no count route
+
+
+@pytest.mark.parametrize("name", sorted(TURNS))
+def test_each_agents_recorded_turn_is_translated_and_refused_only_for_its_length(client, name):
+    """The exact body and headers each agent's default turn sent, on its own route: translated and rendered,
+    then refused before any prefill for the one reason it must be on this 512-token server, its length (the
+    length count_tokens / input_tokens gives, where the API has such a route)."""
+    request = recorded(name)
+    r = client.post(request["path"], json=request["body"], headers=replay_headers(request))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded", error
+    n = int(error["message"].split("the prompt is ")[1].split()[0])
+    assert n > 5_000
+    if TURNS[name] is not None:
+        body = {k: v for k, v in request["body"].items() if k not in ("max_tokens", "stream")} \
+            if name.startswith("claude") else request["body"]
+        assert client.post(TURNS[name], json=body, headers=replay_headers(request)).json()["input_tokens"] == n
 
 
 def test_codexs_recorded_request_is_taken(client):
@@ -210,3 +234,62 @@ def test_heartbeat_fills_the_silences_and_passes_every_event():
 
     got = asyncio.run(collect())
     assert got[0] == "a" and got[-1] == "b" and set(got[1:-1]) == {None} and len(got) >= 4
+
+
+KEEPALIVE_S = 0.2  # the queued streams' keep-alive interval here (the server's default is 15 s)
+
+
+def _queue_depth(client: httpx.Client) -> int:
+    return client.get("/health").json()["queue_depth"]
+
+
+def _until(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_queued_stream_gets_its_headers_and_keep_alives_while_it_waits(embedded_session):
+    """Two requests on one slot (--parallel 1): the second, queued behind the first, gets its response headers
+    and its stream's opening at once, then its protocol's keep-alive at each interval while it waits (Anthropic
+    message_start then `event: ping`; SSE comments on chat; response.in_progress again on Responses), not after
+    the wait; a queued stream whose client leaves gives its place up; the last one runs once the slot frees.
+    The first request is held after its first step (never raced against the machine's speed)."""
+    session = embedded_session.fork()
+    ask = [{"role": "user", "content": "Name a colour."}]
+    streams = {
+        "/v1/chat/completions": ({"messages": ask, "max_tokens": 4, "stream": True}, ": ping"),
+        "/v1/responses": ({"input": "Name a colour.", "max_output_tokens": 4, "stream": True},
+                          'data: {"type": "response.in_progress"'),
+        "/v1/messages": ({"model": "m", "max_tokens": 4, "messages": ask, "stream": True}, "event: ping"),
+    }
+    try:
+        with serve([session], ServerConfig(keepalive_s=KEEPALIVE_S)) as url, httpx.Client(base_url=url, timeout=60) as c, \
+                held(session) as release, ThreadPoolExecutor(1) as pool:
+            first = pool.submit(c.post, "/v1/chat/completions", json={"messages": ask, "max_tokens": 4})
+            _until(lambda: c.get("/health").json()["slots_idle"] == 0)
+            for route, (body, keepalive) in streams.items():
+                with c.stream("POST", route, json=body) as r:
+                    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                    lines = r.iter_lines()
+                    seen: list[str] = []
+                    while sum(line.startswith(keepalive) for line in seen) < 2:
+                        seen.append(next(lines))
+                    assert _queue_depth(c) == 1  # all of it while queued
+                    if route == "/v1/messages":
+                        assert seen[0] == "event: message_start"
+                        release.set()  # the slot frees: the queued stream runs to its end
+                        rest = [line for line in lines if line.startswith("event: ")]
+                        assert rest[-1] == "event: message_stop", rest
+                        assert "event: content_block_delta" in rest
+                    elif route == "/v1/responses":
+                        assert seen[0] == "event: response.created"
+                _until(lambda: _queue_depth(c) == 0)  # a stream closed while queued gave its place up
+            assert first.result(60).status_code == 200
+            health = c.get("/health").json()
+            assert health["slots_idle"] == 1 and health["queue_depth"] == 0
+            gone = [line for line in c.get("/metrics").text.splitlines() if 'reason="client_gone"' in line]
+            assert gone and float(gone[0].split()[-1]) == 2  # the chat and Responses streams closed while queued
+    finally:
+        session.close()

@@ -98,8 +98,9 @@ def project(tmp_path):
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
-    done = subprocess.run(cmd, cwd=cwd, env={**base, **env}, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE"))}
+    # PWD too: OpenCode takes its project directory from $PWD, not from the working directory it was given
+    done = subprocess.run(cmd, cwd=cwd, env={**base, "PWD": str(cwd), **env}, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, f"{cmd[0]} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
@@ -171,6 +172,33 @@ def test_llm_completes_a_turn(server, project):
     done = _run([str(llm), "-m", MODEL, "-o", "max_tokens", "24", ASK], work, {"LLM_USER_PATH": str(home)})
     assert done.stdout.strip()
     assert _answered_ok(before, _requests_answered(url)) == 1
+
+
+def opencode_config(url: str, bounded: bool) -> dict:
+    """docs/SERVER.md's OpenCode provider (@ai-sdk/openai-compatible on /v1), its small model too (titles: else
+    OpenCode asks its own hosted models, and the turn fails offline). Bounded: its build agent's prompt is
+    one line and its one tool is read (its default prompt and ten tools are 7.7k tokens)."""
+    config = {"$schema": "https://opencode.ai/config.json", "model": f"dflash/{MODEL}", "small_model": f"dflash/{MODEL}",
+              "provider": {"dflash": {"npm": "@ai-sdk/openai-compatible", "name": "dflash-serve",
+                                      "options": {"baseURL": f"{url}/v1", "apiKey": "{env:DFLASH_KEY}"},
+                                      "models": {MODEL: {"name": MODEL}}}}}
+    if bounded:
+        off = ["bash", "edit", "glob", "grep", "skill", "task", "todowrite", "webfetch", "write"]
+        config["agent"] = {"build": {"prompt": "You are a coding agent. Be brief.", "tools": {t: False for t in off}}}
+    return config
+
+
+def test_opencode_completes_a_turn(server, project):
+    url, _ = server
+    opencode = _installed(NPM_BIN / "opencode", "OpenCode")
+    work, home = project
+    (work / "opencode.json").write_text(json.dumps(opencode_config(url, bounded=True)))
+    before = _requests_answered(url)
+    done = _run([str(opencode), "run", "--format", "json", ASK], work,
+                {"HOME": str(home), "DFLASH_KEY": KEY, "OPENCODE_DISABLE_AUTOUPDATE": "1"})
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert events and not [e for e in events if e.get("type") == "error"], done.stdout[-3000:]
+    assert _answered_ok(before, _requests_answered(url)) >= 1  # its title request and its turn
 
 
 AGENTS_SDK_SCRIPT = """

@@ -98,7 +98,7 @@ async def _events(run: Run, message: dict[str, Any], n_prompt: int) -> AsyncIter
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {})
     try:
-        async for event in heartbeat(run.events()):
+        async for event in heartbeat(run.events(), run.keepalive_s):
             if event is None:
                 yield _event("ping", {})
                 continue
@@ -155,7 +155,7 @@ async def _block_events(run: Run, message: dict[str, Any], n_prompt: int, reader
                 yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
 
     try:
-        async for event in heartbeat(run.events()):
+        async for event in heartbeat(run.events(), run.keepalive_s):
             if event is None:
                 yield _event("ping", {})
                 continue

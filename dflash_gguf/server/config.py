@@ -50,6 +50,9 @@ class ServerConfig:
     # names); False: any other name than model_alias is a 404
     accept_any_model: bool = True
     created: int = 0  # the model's `created` in /v1/models
+    # seconds of silence after which a stream sends its keep-alive (Anthropic `ping`, an SSE comment, Responses'
+    # in_progress again): while queued, during a long prefill, while a tool call is held back until it is whole
+    keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         if not self.model_alias:
@@ -60,5 +63,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")

@@ -163,29 +163,15 @@ class Engine:
                            f"end, or refuses every first token): {why}", param=param, code="invalid_value") from None
 
     async def start(self, prepared: Prepared, request: Request) -> "Run":
-        """Wait for a slot (429 when the queue is full), then start the generation in its thread."""
-        acquire = asyncio.ensure_future(self.pool.acquire(prepared.tokens))
+        """Admit the request (429 when the queue is full, 503 while shutting down) and return its Run at once:
+        a Run whose slot is busy waits for it inside events(), so a stream's headers and first events (and its
+        keep-alives) go out while it is queued, not after the wait."""
         try:
-            while True:
-                done, _ = await asyncio.wait({acquire}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    acquire.cancel()
-                    self.metrics.rejected["client_gone"] += 1
-                    raise APIError(400, "the client disconnected while queued", code="client_disconnected")
-            slot = acquire.result()
+            ticket = self.pool.admit(prepared.tokens)
         except APIError as e:
-            if e.status in (429, 503):
-                self.metrics.rejected["queue_full" if e.status == 429 else "shutting_down"] += 1
+            self.metrics.rejected["queue_full" if e.status == 429 else "shutting_down"] += 1
             raise
-        except BaseException:
-            acquire.cancel()
-            raise
-        slot.prompt = prepared.tokens  # what the slot will hold: a retry of this request is routed to it
-        queue_s = time.perf_counter() - prepared.t0
-        self.metrics.queue_seconds += queue_s
-        run = Run(self, prepared, slot, request, queue_s)
+        run = Run(self, prepared, ticket, request)
         self.runs.add(run)
         return run
 
@@ -211,44 +197,73 @@ class Engine:
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(run.generation.done.wait(), left)
+                await asyncio.wait_for(run.done.wait(), left)
             except asyncio.TimeoutError:
                 return False
         return True
 
 
 class Run:
-    """One generation on one slot."""
+    """One request's generation on one slot: queued until its ticket brings a slot, then generating."""
 
-    def __init__(self, engine: Engine, prepared: Prepared, slot: Slot, request: Request, queue_s: float) -> None:
-        self.engine, self.prepared, self.slot, self.queue_s = engine, prepared, slot, queue_s
-        self.generation = Generation(engine.pool, slot, prepared.start).start()
+    def __init__(self, engine: Engine, prepared: Prepared, ticket: asyncio.Future[Slot], request: Request) -> None:
+        self.engine, self.prepared, self._ticket = engine, prepared, ticket
+        self.slot: Slot | None = None
+        self.generation: Generation | None = None
+        self.queue_s = 0.0
+        self.keepalive_s = engine.config.keepalive_s
         self._finished = False
+        self._withdrawn = False
+        self._refusal: APIError | None = None  # why it never got a slot (the server is shutting down)
+        self._placed = asyncio.Event()  # the generation has started, or never will
+        self.done = asyncio.Event()  # the generation has ended and released its slot, or never started
         self.generation_done_callbacks: list[Callable[[], Any]] = []
         self._watch = asyncio.ensure_future(self._watch_disconnect(request))
-        asyncio.ensure_future(self._forget_when_done())
+        asyncio.ensure_future(self._live())
 
     def cancel(self) -> None:
+        if self.generation is None:  # still queued: its place (or the slot just handed to it) goes to the next
+            if not self._placed.is_set() and not self._withdrawn and self.engine.pool.withdraw(self._ticket):
+                self._withdrawn = True
+                self.engine.metrics.rejected["client_gone"] += 1
+            return
         if not self._finished and not self.generation.cancelled:
             self.generation.cancel()
             self.engine.metrics.cancelled += 1
 
+    async def _live(self) -> None:
+        """Wait for the slot, run the generation on it, then tell whoever waits for the end."""
+        try:
+            slot = await asyncio.shield(self._ticket)
+            if not self._withdrawn:  # (a slot handed over just as the client left was passed on by withdraw)
+                self.slot = slot
+                slot.prompt = self.prepared.tokens  # what the slot will hold: a retry of this request is routed to it
+                self.queue_s = time.perf_counter() - self.prepared.t0
+                self.engine.metrics.queue_seconds += self.queue_s
+                self.generation = Generation(self.engine.pool, slot, self.prepared.start).start()
+        except APIError as e:  # the queue was closed: the server is shutting down
+            self._refusal = e
+            self.engine.metrics.rejected["shutting_down"] += 1
+        except asyncio.CancelledError:  # withdrawn while queued
+            pass
+        self._placed.set()
+        if self.generation is not None:
+            await self.generation.done.wait()
+        self._watch.cancel()
+        for callback in self.generation_done_callbacks:
+            callback()
+        self.engine.runs.discard(self)
+        self.done.set()
+
     async def _watch_disconnect(self, request: Request) -> None:
         try:
-            while not self.generation.done.is_set():
+            while not self.done.is_set():
                 if await request.is_disconnected():
                     self.cancel()
                     return
                 await asyncio.sleep(DISCONNECT_POLL_S)
         except Exception:
             return
-
-    async def _forget_when_done(self) -> None:
-        await self.generation.done.wait()
-        self._watch.cancel()
-        for callback in self.generation_done_callbacks:
-            callback()
-        self.engine.runs.discard(self)
 
     async def events(self) -> AsyncIterator[Step | Finished]:
         """The Steps as they commit, then one Finished; raises APIError if the Session failed."""
@@ -260,7 +275,13 @@ class Run:
         finish: str | None = None
         stop: str | None = None  # the stop string that ended the reply (the turn's reader found it)
         try:
-            async for event in self.generation.events():
+            await self._placed.wait()  # queued: the stream's keep-alives go out meanwhile
+            generation, slot = self.generation, self.slot
+            if generation is None or slot is None:
+                if self._refusal is not None:
+                    raise self._refusal
+                return
+            async for event in generation.events():
                 if isinstance(event, Step):
                     blocks.add(event)
                     text.append(event.text)
@@ -280,13 +301,13 @@ class Run:
                     return
                 self._finished = True
                 stats = event.stats
-                self.engine.metrics.count_generation(stats, time.perf_counter() - self.generation.started)
+                self.engine.metrics.count_generation(stats, time.perf_counter() - generation.started)
                 finish = finish or "stop"
                 yield Finished(
                     text="".join(text), tokens=tokens, finish_reason=finish,
                     stop_sequence=stop if stop in self.prepared.job.user_stops else None,
                     n_prompt=len(self.prepared.tokens), stats=stats, timings=llama_timings(stats),
-                    dflash=dflash_figures(stats, blocks, slot=self.slot.id, queue_ms=self.queue_s * 1000.0),
+                    dflash=dflash_figures(stats, blocks, slot=slot.id, queue_ms=self.queue_s * 1000.0),
                     logprobs=tuple(logprobs),
                     context_full=finish == "length" and len(self.prepared.tokens) + len(tokens) >= self.engine.n_ctx,
                 )

@@ -244,7 +244,7 @@ async def _events(run: Run, shell: dict[str, Any], reader: ReplyReader | None,
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
     try:
-        async for step in heartbeat(run.events()):
+        async for step in heartbeat(run.events(), run.keepalive_s):
             if step is None:  # the Responses API has no ping: in_progress again says the response is alive
                 yield event("response.in_progress", response=shell)
                 continue

@@ -1,7 +1,9 @@
 """The slot pool: one Session per slot, a bounded FIFO of waiting requests, prefix-aware routing.
 
-Runs on the event loop only (no locks): a request takes a free slot at once when nobody waits,
-otherwise joins the queue, or gets 429 when the queue is full (503 once the server is closing).
+Runs on the event loop only (no locks): a request is admitted at once (admit() returns its ticket): it
+takes a free slot when nobody waits, otherwise joins the queue, or is refused there and then, 429 when the
+queue is full (503 once the server is closing). Waiting for the ticket is the caller's, so that a stream
+can begin (its headers and first events) while it waits.
 Among free slots it takes the one whose cached tokens its prompt extends the most, so that a
 multi-turn chat keeps landing on the slot that holds its KV; ties go to the least recently used.
 A slot's cached tokens are its Session's committed tokens, read where the Session holds them.
@@ -82,27 +84,44 @@ class SlotPool:
         mean = sum(self._durations) / len(self._durations) if self._durations else 1.0
         return max(1, math.ceil(mean * (len(self._waiting) + 1) / len(self.slots)))
 
-    async def acquire(self, tokens: Sequence[int]) -> Slot:
+    def admit(self, tokens: Sequence[int]) -> asyncio.Future[Slot]:
+        """A ticket for a slot, decided now: done at once with a free slot, or a place in the queue that a freed
+        slot settles later. Refused at once (429 when the queue is full, 503 once the server is closing), so a
+        refusal is still an HTTP status while a queued request's stream has already begun."""
         if self.closing:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        ticket: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         free = [s for s in self.slots if not s.busy]
         home = self.home(tokens)
         joins = home is not None and home.busy and home.ending
         if free and not joins and all(w.home_only for w in self._waiting):
-            return self._take(max(free, key=lambda s: (s.shared_prefix(tokens), -s.last_used)))
+            ticket.set_result(self._take(max(free, key=lambda s: (s.shared_prefix(tokens), -s.last_used))))
+            return ticket
         if len(self._waiting) >= self.max_queue:
             raise APIError(429, f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests are "
                            "waiting (the queue is full); retry later", code="queue_full",
                            headers={"Retry-After": str(self.retry_after())})
-        waiter = _Waiter(tokens, asyncio.get_running_loop().create_future(), home_only=joins)
-        self._waiting.append(waiter)
+        self._waiting.append(_Waiter(tokens, ticket, home_only=joins))
+        return ticket
+
+    def withdraw(self, ticket: asyncio.Future[Slot]) -> bool:
+        """The request is gone before its generation began: its place in the queue is given up, or the slot it
+        was just handed is passed on. False when there was nothing to give up (refused, or withdrawn before)."""
+        self._waiting = deque(w for w in self._waiting if w.future is not ticket)
+        if ticket.cancel():
+            return True
+        if ticket.cancelled() or ticket.exception() is not None:
+            return False
+        self.release(ticket.result())
+        return True
+
+    async def acquire(self, tokens: Sequence[int]) -> Slot:
+        """admit(), then wait for the slot; a caller cancelled while waiting gives its place up."""
+        ticket = self.admit(tokens)
         try:
-            return await waiter.future
+            return await asyncio.shield(ticket)
         except asyncio.CancelledError:
-            if waiter in self._waiting:
-                self._waiting.remove(waiter)
-            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(waiter.future.result())  # handed a slot just as the client left
+            self.withdraw(ticket)
             raise
 
     def _take(self, slot: Slot) -> Slot:

@@ -11,15 +11,15 @@ from sse_starlette.sse import EventSourceResponse
 
 from .engine import Run
 
-PING_S = 15
 SHUTDOWN_GRACE_S = 5.0
 T = TypeVar("T")
 
 
-async def heartbeat(events: AsyncIterator[T], every: float = PING_S) -> AsyncIterator[T | None]:
+async def heartbeat(events: AsyncIterator[T], every: float) -> AsyncIterator[T | None]:
     """The events, with a None after each `every` seconds without one: a stream then sends its protocol's
     own keep-alive event. Claude Code and Codex drop a stream after 300 s without an event (SSE comments do
-    not count), and a long cold prefill, or a tool call held back until it is whole, can take longer."""
+    not count), and a wait in the queue, a long cold prefill, or a tool call held back until it is whole,
+    can take longer."""
     source = events.__aiter__()
     pending = asyncio.ensure_future(source.__anext__())
     try:
@@ -47,4 +47,4 @@ def stream_response(run: Run, events: AsyncIterator[dict[str, Any]]) -> EventSou
 
     watcher = asyncio.ensure_future(cancel_on_shutdown())
     run.generation_done_callbacks.append(watcher.cancel)
-    return EventSourceResponse(events, ping=PING_S, shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+    return EventSourceResponse(events, ping=run.keepalive_s, shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
