@@ -102,7 +102,9 @@ def test_a_signal_ends_streams_refuses_the_queue_and_exits_0(sig, flags):
         with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 lines.append(line)
-                if len(lines) == 4:  # the stream runs: queue a second request behind it, then the signal
+                # the role chunk, then a token: the stream runs (keep-alive comments during a slow prefill do
+                # not count): queue a second request behind it, then the signal
+                if sum(x.startswith("data: ") for x in lines) == 2 and line.startswith("data: "):
                     queued = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4},
                                          timeout=60)
                     while httpx.get(url + "/health", timeout=5).json()["queue_depth"] != 1:
