@@ -238,7 +238,7 @@ def test_sampled_session_follows_the_target_distribution(dspark, embedded_target
     assert sum(r.stats.n_drafted for r in runs) >= 240
     pairs = [r.tokens for r in runs]
     with Target.open(embedded_target, n_ctx=256, n_batch=64, n_threads=1) as ref:
-        prompt = ref.tokenize(PROMPT)
+        prompt = ref.vocab.tokenize(PROMPT)
         first = [p[0] for p in pairs]
         assert chi_square_p_value(first, next_token_probs(ref, prompt, params)) > ALPHA
         mode = Counter(first).most_common(1)[0][0]

@@ -34,7 +34,7 @@ def test_samples_after_rollbacks_follow_the_target_distribution(hybrid_models, a
         assert sum(s.memory.rollbacks.values()) > 0.9 * N  # the drafted second token was nearly always rejected
     assert all(len(x) == 3 for x in samples)
     with Target.open(target, n_ctx=128, n_batch=32, n_threads=1) as ref:
-        prompt = ref.tokenize(PROMPT)
+        prompt = ref.vocab.tokenize(PROMPT)
         first = [x[0] for x in samples]
         assert chi_square_p_value(first, next_token_probs(ref, prompt, PARAMS)) > ALPHA
         m1 = Counter(first).most_common(1)[0][0]
