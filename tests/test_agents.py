@@ -97,12 +97,12 @@ def project(tmp_path):
     return work, home
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], *, check: bool = True) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE"))}
     # PWD too: OpenCode takes its project directory from $PWD, not from the working directory it was given
     done = subprocess.run(cmd, cwd=cwd, env={**base, "PWD": str(cwd), **env}, capture_output=True, text=True, timeout=TURN_TIMEOUT_S,
                           stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, f"{cmd[0]} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0 or not check, f"{cmd[0]} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
 
@@ -155,9 +155,14 @@ def test_codex_completes_a_turn(server, project):
     before = _requests_answered(url)
     done = _run([str(codex), "exec", "--skip-git-repo-check", "--json", "--disable", "goals", "--disable", "multi_agent",
                  "--disable", "view_image", "--disable", "image_generation", "--disable", "skill_search", ASK],
-                work, {"HOME": str(home), "DFLASH_KEY": KEY})
+                work, {"HOME": str(home), "DFLASH_KEY": KEY}, check=False)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert any(e.get("type") == "turn.completed" for e in events), done.stdout[-3000:]
+    # Codex sends no temperature (the Responses default, 1.0: a sampled reply) and calls a reply the server cut
+    # at this module's --max-tokens 48 a failed turn; the turn must end, completed or at that bound alone
+    failed = [e["error"]["message"] for e in events if e.get("type") == "turn.failed"]
+    completed = any(e.get("type") == "turn.completed" for e in events)
+    assert completed or (failed and all(m.endswith("reason: max_output_tokens") for m in failed)), done.stdout[-3000:]
+    assert done.returncode == (0 if completed else 1), done.stderr[-3000:]
     assert _answered_ok(before, _requests_answered(url)) >= 1
 
 
