@@ -146,9 +146,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the turn may take (default 3600)")
     p.add_argument("--out", type=Path, help="where the server log, transcript and summary go (default: a temp dir)")
     args = p.parse_args()
+    if not (NPM_BIN / args.client).is_file():
+        raise SystemExit(f"agent_turn.py: {NPM_BIN / args.client} is not installed: bash scripts/install_agents.sh")
     out = args.out or Path(tempfile.mkdtemp(prefix=f"agent-turn-{args.client}-"))
     out.mkdir(parents=True, exist_ok=True)
     work, home = out / "project", out / "home"
+    if work.exists() or home.exists():
+        raise SystemExit(f"agent_turn.py: {out} holds an earlier run (project/, home/): give another --out")
     work.mkdir()
     home.mkdir()
     (work / "hello.py").write_text(FILE)

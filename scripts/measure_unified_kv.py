@@ -84,7 +84,11 @@ def main() -> int:
         print(f"measure_unified_kv: {path}: no such file", file=sys.stderr)
         return 2
     init_backend()
-    measure(path, args.flash_attn)
+    try:
+        measure(path, args.flash_attn)
+    except (ValueError, RuntimeError) as e:  # not a GGUF libllama loads, or a context it cannot make
+        print(f"measure_unified_kv: {e}", file=sys.stderr)
+        return 1
     if args.f32:
         with tempfile.TemporaryDirectory() as tmp:
             f32 = Path(tmp) / f"{path.stem}.F32.gguf"

@@ -22,7 +22,7 @@ from .tool_calls import ToolError, ToolPlan
 
 
 class Vocabulary(Protocol):
-    """What a turn needs of the model's vocabulary (a Target offers it; the chat floor never calls C itself)."""
+    """What a turn needs of the model's vocabulary (`Target.vocab` offers it; the chat floor never calls C itself)."""
 
     n_vocab: int
 
