@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .cli_parser import EXIT_BAD_INPUT, OneLineParser, positive_int
+from .cli_parser import DRAFTER_HELP, EXIT_BAD_INPUT, OneLineParser, positive_int
 from .config import KV_CACHE_SETTINGS, GenerationConfig, SessionOptions, add_arguments, from_arguments
 from .lockstep import lockstep, order
 from .steps import Step
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="dflash-generate", description=__doc__.splitlines()[0])
     p.add_argument("prompt", help="the user message (or the raw prompt with --raw); '-' reads stdin")
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the one shipped for the embedded target)")
+    p.add_argument("--drafter", type=Path, help=DRAFTER_HELP)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", help="system message for the chat template")
     add_arguments(p, GenerationConfig, GENERATION, max_tokens=256)

@@ -6,6 +6,9 @@ import argparse
 from typing import NoReturn
 
 EXIT_BAD_INPUT = 2
+# --drafter's help in every command: a file told apart by its header (mtp.is_heads_file), not its name
+DRAFTER_HELP = ("dflash drafter GGUF, or MTP heads shipped apart from the target (upstream's mtp-*.gguf, gemma4's "
+                "assistant), which then draft instead of the target's own (default: the one shipped for the embedded target)")
 
 
 class OneLineParser(argparse.ArgumentParser):

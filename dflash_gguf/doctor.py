@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .backends import GPU_KINDS, Device, build
-from .cli_parser import EXIT_BAD_INPUT, OneLineParser
+from .cli_parser import DRAFTER_HELP, EXIT_BAD_INPUT, OneLineParser
 from .config import KV_CACHE_SETTINGS, SessionOptions, add_arguments, from_arguments
 from .llama_ext import MissingSymbolError, layer_input_api_present
 from .tree import branching_refused
@@ -171,7 +171,7 @@ def _where(placement: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the one shipped for the embedded target)")
+    p.add_argument("--drafter", type=Path, help=DRAFTER_HELP)
     p.add_argument("--json", action="store_true", help="the report as JSON, for tools")
     add_arguments(p, SessionOptions, SESSION)
     a = p.parse_args(argv)

@@ -38,7 +38,8 @@ import ctypes
 import os
 import struct
 from contextlib import nullcontext
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -47,9 +48,10 @@ from .batching import Request, SequenceTarget, SharedContext, Stage
 from .lookup import MATCH_BUCKETS, LookupStats
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
-from .schema import Keys
+from .schema import ARCH, Keys
 from .target import (FeatureRows, NativeResource, SharedModel, Target, load_model, meta_str, new_context, state_seq_get,
                      state_seq_set)
+from .target_gguf import field_value, open_gguf
 
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
@@ -76,9 +78,24 @@ def _heads_reason() -> str | None:
     return None
 
 
+def is_heads_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a GGUF given where a drafter is accepted holds MTP heads (read from its header, not its name):
+    a model of any architecture but a DFlash drafter's that declares nextn layers, as upstream's converter
+    writes them apart with --mtp (`mtp-*.gguf`: the heads, the embedding, the output norm and head) and as
+    gemma4's assistant ships. A file that cannot be read is not: the drafter's loader then says why."""
+    try:
+        reader = open_gguf(Path(path))
+    except (ValueError, OSError):
+        return False
+    arch = field_value(reader, Keys.ARCHITECTURE)
+    if not isinstance(arch, str) or arch == ARCH:
+        return False
+    n = field_value(reader, f"{arch}.nextn_predict_layers")
+    return isinstance(n, (int, np.integer)) and n > 0
+
+
 def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
-    """An MTP heads file (upstream's converter writes `mtp-*.gguf` with --mtp: the head, the embedding, the
-    output norm and head) loaded for this target, or ValueError saying why it does not fit it."""
+    """An MTP heads file loaded for this target, or ValueError saying why it does not fit it."""
     model = load_model(path, n_gpu_layers=target.n_gpu_layers, load_mtp=True)
     shared = SharedModel(model, owned=True)
     arch = meta_str(model, Keys.ARCHITECTURE) or ""
@@ -94,6 +111,35 @@ def _load_heads(path: str | os.PathLike[str], target: Target) -> SharedModel:
         shared.release()
         raise ValueError(f"{path}: not MTP heads for this target: {reason}")
     return shared
+
+
+class HeadsFile:
+    """MTP heads shipped apart from their target (`mtp-*.gguf`, gemma4's assistant), loaded once and checked
+    against it. A Session given one as its drafter drafts with these heads instead of the target's own;
+    Sessions forked from it share the loaded weights (`fork`, as a Drafter's), each MTP context a share."""
+
+    def __init__(self, path: str, model: SharedModel) -> None:
+        self.path, self.model = path, model
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], target: Target) -> "HeadsFile":
+        """ValueError where the file is no MTP heads for this target (another architecture, vocabulary, width)."""
+        return cls(os.fspath(path), _load_heads(path, target))
+
+    def fork(self, target: Target) -> "HeadsFile":
+        """Another share of the same loaded heads, for a Session forked onto `target` (the same model)."""
+        return HeadsFile(self.path, self.model.share())
+
+    def close(self) -> None:
+        self.model.release()
+
+
+# which heads draft: the target's own (None), a heads file's path, or a heads file loaded
+Heads = Union[str, "os.PathLike[str]", HeadsFile, None]
+
+
+def _heads_path(heads: Heads) -> str | None:
+    return None if heads is None else heads.path if isinstance(heads, HeadsFile) else os.fspath(heads)
 
 
 # heads shipped as a model of their own architecture, and the target architecture whose KV they read
@@ -113,7 +159,7 @@ class _HeadsContext:
         self.users = 1
 
     @staticmethod
-    def open(target: Target, heads: str | os.PathLike[str] | None, n_threads: int | None,
+    def open(target: Target, heads: Heads, n_threads: int | None,
              n_seq: int) -> "_HeadsContext":
         if heads is None:
             reason = mtp_unusable_reason(target)
@@ -121,7 +167,7 @@ class _HeadsContext:
                 raise ValueError(f"cannot draft with MTP heads: {reason}")
             model = target.shared_model()
         else:
-            model = _load_heads(heads, target)
+            model = heads.model.share() if isinstance(heads, HeadsFile) else _load_heads(heads, target)
         try:
             # one KV stream per sequence (not unified): each keeps its cells in its own order, as alone, which
             # chained heads' per-head KV relies on (see MTPHeads.process)
@@ -132,7 +178,7 @@ class _HeadsContext:
             )
             n_heads, n_vocab, n_embd = llama_ext.model_mtp_shape(model.ptr)
             return _HeadsContext(model, llama_ext.MTPContext(ctx, n_embd, n_vocab),
-                                 None if heads is None else os.fspath(heads), n_heads,
+                                 _heads_path(heads), n_heads,
                                  llama_ext.shares_memory_with(ctx, target.ctx))
         except BaseException:
             model.release()
@@ -181,8 +227,7 @@ class MTPHeads(NativeResource):
     nothing, and every draft step is at pos0.
     """
 
-    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
-                 n_threads: int | None = None) -> None:
+    def __init__(self, target: Target, *, heads: Heads = None, n_threads: int | None = None) -> None:
         self._gather: SharedContext | None = target.shared if isinstance(target, SequenceTarget) else None
         self.seq = 0 if self._gather is None else target.seq_id
         with nullcontext() if self._gather is None else self._gather.setup:  # one context, however many ask
@@ -203,12 +248,12 @@ class MTPHeads(NativeResource):
         self._chain = np.zeros((2, self.n_embd), np.float32)  # draft step rows: the carry, then the heads' own
         target.output_nextn()
 
-    def _join_shared(self, heads: str | os.PathLike[str] | None) -> _HeadsContext | None:
+    def _join_shared(self, heads: Heads) -> _HeadsContext | None:
         """The MTP context the shared target's sequences already draft in, now this one's too (None: none yet)."""
         context = self._gather.mtp_context
         if context is None:
             return None
-        wanted = None if heads is None else os.fspath(heads)
+        wanted = _heads_path(heads)
         if context.heads != wanted:
             own = "the target's own"
             raise ValueError(f"the shared context's MTP heads are {context.heads or own}, not {wanted or own}")
@@ -351,9 +396,10 @@ class MTPSource(DraftSource):
     needs_features = False
     state_part = "mtp"  # snapshot(): the carry, the waiting tokens and rows, the MTP context's KV
 
-    def __init__(self, target: Target, *, heads: str | os.PathLike[str] | None = None,
-                 max_draft: int = DEFAULT_MAX_DRAFT, n_threads: int | None = None, stats: LookupStats | None = None) -> None:
-        """heads: an `mtp-*.gguf` shipped apart from the target (None: the target's own, loaded with it)."""
+    def __init__(self, target: Target, *, heads: Heads = None, max_draft: int = DEFAULT_MAX_DRAFT,
+                 n_threads: int | None = None, stats: LookupStats | None = None) -> None:
+        """heads: MTP heads shipped apart from the target (`mtp-*.gguf`, gemma4's assistant: a path or a
+        HeadsFile), None for the target's own, loaded with it."""
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
         self.heads = MTPHeads(target, heads=heads, n_threads=n_threads)

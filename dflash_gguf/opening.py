@@ -14,6 +14,7 @@ from .batching import SharedContext
 from .config import SessionOptions
 from .drafter import Drafter
 from .memory import rs_seq_for
+from .mtp import HeadsFile, is_heads_file
 from .target import Target
 from .target_gguf import drafter_verify_tokens, trained_context
 
@@ -27,12 +28,16 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
     out (issue 37), recurrent targets included: each sequence's state snapshots and checkpoints are its own."""
     o = options
     path = defaults.embedded_target() if target is None else target
+    heads = drafter is not None and is_heads_file(drafter)  # MTP heads given as the drafter draft instead
+    if heads and not o.mtp:
+        raise ValueError(f"{drafter} holds MTP heads, and MTP drafting is off (mtp=False)")
     n_ctx = o.n_ctx or _trained_context(path)
     settings: dict[str, Any] = dict(
         n_batch=o.n_batch, n_gpu_layers=o.n_gpu_layers, n_threads=o.n_threads, flash_attn=o.flash_attn,
         verbose=o.verbose, n_rs_seq=_rs_seq(drafter, o.n_batch) if o.n_rs_seq is None else o.n_rs_seq,
         type_k=o.type_k, type_v=o.type_v, rpc_servers=o.rpc_servers,
-        load_mtp=o.mtp,  # the model's own MTP heads, where it has them, draft beside the other sources
+        # the model's own MTP heads, where it has them, draft beside the other sources (unless a heads file does)
+        load_mtp=o.mtp and not heads,
     )
     if o.sequences == 1:
         return Target.open(path, n_ctx=n_ctx, **settings,
@@ -48,9 +53,9 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
         raise
 
 
-def fork_native(target: Target, drafter: Drafter | None) -> tuple[Target, Drafter | None]:
-    """New contexts on the same loaded target and drafter weights (the caller holds the Session's native lock);
-    on a shared context, its next sequence."""
+def fork_native(target: Target, drafter: Drafter | HeadsFile | None) -> tuple[Target, Drafter | HeadsFile | None]:
+    """New contexts on the same loaded target and drafter weights (or MTP heads file: another share of it; the
+    caller holds the Session's native lock); on a shared context, its next sequence."""
     forked = target.fork()
     try:
         return forked, drafter.fork(forked) if drafter is not None else None

@@ -92,7 +92,7 @@ class Session:
             raise ValueError("fork() cannot copy caller-given draft sources (each holds one context's state)")
         with self._native:
             self._check_open()
-            target, drafter = fork_native(self.target, self.drafter)
+            target, drafter = fork_native(self.target, self._speculation.draft_model)
         other = Session.__new__(Session)
         other._attach(target, drafter, None, wait=self._one_at_a_time.wait, lookup=self._lookup is not None,
                       prompt_cache=self.prompt_cache, tree_nodes=self._speculation.tree_nodes)

@@ -21,7 +21,7 @@ from .drafter import Drafter
 from .drafter_source import NativeDrafterSource
 from .lookup import DEFAULT_MAX_DRAFT, LookupSource
 from .memory import TargetMemory
-from .mtp import MTPSource, mtp_unusable_reason
+from .mtp import HeadsFile, MTPSource, is_heads_file, mtp_unusable_reason
 from .sources import DraftSource
 from .steps import TARGET_OWN
 from .target import Target
@@ -44,7 +44,7 @@ class Speculation:
         self,
         target: Target,
         memory: TargetMemory,
-        drafter: str | os.PathLike[str] | Drafter | None,
+        drafter: str | os.PathLike[str] | Drafter | HeadsFile | None,
         n_threads: int | None,
         *,
         forget: Callable[[], None],
@@ -61,6 +61,7 @@ class Speculation:
         self.tree_disabled_reason: str | None = None
         self.disabled_reason: str | None = None
         self.drafter: Drafter | None = None
+        self.heads: HeadsFile | None = None  # MTP heads given as the drafter (a heads file), drafting instead
         self.given = given
         self.sources: list[DraftSource] = []
         self.lookup: LookupSource | None = None
@@ -78,16 +79,20 @@ class Speculation:
                 # stacklevel: the caller of Session(), from_llama() or fork() (through Session._attach)
                 warnings.warn(f"{unusable}: speculative decoding is off, every generation decodes plainly", stacklevel=4)
                 self.warned_plain = True  # said once, here
-            if isinstance(drafter, Drafter):
+            if isinstance(drafter, (Drafter, HeadsFile)):
                 drafter.close()
             return
         trees_off = tree_unusable(target, memory) if tree_nodes else None  # why no source may verify trees
         _check_names(s.name for s in given)
-        if drafter is not None:
+        if isinstance(drafter, HeadsFile) or (drafter is not None and not isinstance(drafter, Drafter)
+                                              and is_heads_file(drafter)):
+            self.heads = drafter if isinstance(drafter, HeadsFile) else HeadsFile.open(drafter, target)
+        elif drafter is not None:
             self.drafter = drafter if isinstance(drafter, Drafter) else Drafter(
                 drafter, target, n_gpu_layers=n_gpu_layers_draft, n_threads=n_threads,
                 type_k=draft_kv[0], type_v=draft_kv[1])
-        parts = SessionParts(target, memory, self.drafter, n_threads, lookup, 0 if trees_off else tree_nodes)
+        parts = SessionParts(target, memory, self.drafter, n_threads, lookup, 0 if trees_off else tree_nodes,
+                             self.heads)
         try:
             self.sources += given
             for make in SOURCES:  # the Session's own, peers after the caller's
@@ -98,8 +103,9 @@ class Speculation:
         except BaseException:
             for source in self.sources[len(given):]:
                 source.close()
-            if self.drafter is not None:
-                self.drafter.close()
+            for model in (self.drafter, self.heads):
+                if model is not None:
+                    model.close()
             raise
         self.lookup = next((s for s in self.sources if isinstance(s, LookupSource)), None)
         self.mtp = next((s for s in self.sources if isinstance(s, MTPSource)), None)
@@ -187,8 +193,14 @@ class Speculation:
         the caller's sources are the caller's to close."""
         for source in self.sources[len(self.given):]:
             source.close()
-        if self.drafter is not None:
-            self.drafter.close()
+        for model in (self.drafter, self.heads):
+            if model is not None:
+                model.close()
+
+    @property
+    def draft_model(self) -> Drafter | HeadsFile | None:
+        """What a fork drafts with too: the drafter, or the heads file given in its place."""
+        return self.drafter if self.drafter is not None else self.heads
 
     def _calibrated(self, measurement: dict[str, int], measure: Callable[[], CostModel]) -> CostModel:
         """The costs saved for this build, device, models and settings, else measured now and saved
@@ -216,6 +228,7 @@ class SessionParts:
     n_threads: int | None
     lookup: bool | None
     tree_nodes: int = 0  # rows a source's tree may have (0: trees are off on this target)
+    heads: HeadsFile | None = None  # MTP heads shipped apart, given as the drafter: they draft, not the target's own
 
 
 def lookup_source(parts: SessionParts) -> DraftSource | None:
@@ -227,7 +240,9 @@ def lookup_source(parts: SessionParts) -> DraftSource | None:
 
 
 def mtp_source(parts: SessionParts) -> DraftSource | None:
-    """The target's own MTP heads, where it has them."""
+    """The heads file given as the drafter, else the target's own MTP heads, where it has them."""
+    if parts.heads is not None:
+        return MTPSource(parts.target, heads=parts.heads, n_threads=parts.n_threads)
     return MTPSource(parts.target, n_threads=parts.n_threads) if mtp_unusable_reason(parts.target) is None else None
 
 

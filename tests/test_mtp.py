@@ -307,13 +307,6 @@ def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_
     prompts = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?"]
     settings = dict(n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False)
 
-    def spy(session):
-        """The drafts its heads make, recorded as the real heads make them."""
-        heads, log = session._mtp.heads, []
-        real = heads.draft
-        heads.draft = lambda *args, **kw: log.append(real(*args, **kw)) or log[-1]
-        return log
-
     def run(session, prompt):
         r = session.generate(prompt, max_tokens=24, block_size=3)
         return r.tokens, r.stats.per_source[MTP_SOURCE].n_drafted
@@ -321,7 +314,7 @@ def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_
     expected = []
     for p in prompts:  # each on a cold context: a reset one holds its cells in another order, which moves the
         with Session(step35[n_heads], **settings) as solo:  # random heads' near-flat logits across ties
-            log = spy(solo)
+            log = spy_drafts(solo)
             expected.append((*run(solo, p), log))
     first = Session(step35[n_heads], sequences=len(prompts), **settings)
     sessions = [first] + [first.fork() for _ in prompts[1:]]
@@ -329,7 +322,7 @@ def test_sequences_of_a_shared_context_draft_with_their_heads_at_once(step35, n_
         context = first.target.shared
         context.max_wait_s = 60.0  # batches wait for every busy sequence: no timeout race
         assert all(s.mtp and s._mtp.heads.n_heads == n_heads for s in sessions)
-        logs = [spy(s) for s in sessions]
+        logs = [spy_drafts(s) for s in sessions]
         start = threading.Barrier(len(prompts))
 
         def one(i):
@@ -665,6 +658,85 @@ def test_waiting_tokens_are_processed_at_the_end_until_the_head_is_set_aside(mtp
             assert not source._tokens and source.heads._live().pos_max() == len(seq) - 1
         finally:
             source.close()
+
+
+# --- heads shipped apart, given where a drafter is accepted --------------------------------------------
+
+
+def spy_drafts(session: Session) -> list[list[int]]:
+    """The drafts the Session's heads make, recorded as the real heads make them."""
+    heads, log = session._mtp.heads, []
+    real = heads.draft
+    heads.draft = lambda *args, **kw: log.append(real(*args, **kw)) or log[-1]
+    return log
+
+
+def test_heads_files_are_told_from_drafters_by_their_header(mtp_target, hybrid_models, gemma4, tmp_path):
+    from dflash_gguf.mtp import is_heads_file
+
+    renamed = tmp_path / "drafter.gguf"  # the name says nothing: the header does
+    renamed.write_bytes((mtp_target.parent / "mtp-qwen35.gguf").read_bytes())
+    assert is_heads_file(renamed) and is_heads_file(mtp_target) and is_heads_file(gemma4[1])
+    assert not is_heads_file(hybrid_models.drafter("qwen35"))  # a dflash drafter
+    assert not is_heads_file(hybrid_models.target("qwen35"))  # a model without heads
+    assert not is_heads_file(mtp_target.parent / "qwen35-mtp-hf" / "config.json")
+
+
+@pytest.mark.parametrize("block", [3, None])
+def test_a_session_given_a_heads_file_drafts_with_it(mtp_target, hybrid_models, block):
+    """Session(trunk, drafter="mtp-qwen35.gguf"): the heads file drafts (no drafter is opened), exactly what
+    the heads embedded in qwen35-mtp.gguf draft there, cycle for cycle, and greedy output is plain decoding."""
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    with open_session(mtp_target, lookup=False) as embedded:
+        log = spy_drafts(embedded)
+        want = embedded.generate("Good morning!", max_tokens=32, block_size=block)
+    with open_session(hybrid_models.target("qwen35"), drafter=heads, lookup=False) as s:
+        assert s.drafter is None and s.mtp and [src.name for src in s._sources] == [MTP_SOURCE]
+        assert s.target.n_mtp_heads == 0  # the trunk has none: these are the file's
+        plain = s.generate("Good morning!", max_tokens=32, speculative=False).tokens
+        s.reset()
+        got_log = spy_drafts(s)
+        got = s.generate("Good morning!", max_tokens=32, block_size=block)
+    assert got.tokens == plain == want.tokens
+    assert got.stats.per_source[MTP_SOURCE].n_drafted > 0 and got_log == log
+
+
+def test_forks_of_a_session_given_a_heads_file_share_its_weights(mtp_target, hybrid_models):
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    with open_session(hybrid_models.target("qwen35"), drafter=heads, lookup=False) as s:
+        want = s.generate("Good morning!", max_tokens=16, block_size=3)
+        with s.fork() as other:
+            assert other._mtp.heads._ctx.model is s._mtp.heads._ctx.model  # one load of the file
+            log = spy_drafts(other)
+            r = other.generate("Good morning!", max_tokens=16, block_size=3)
+            assert r.tokens == want.tokens and len(log) == r.stats.per_source[MTP_SOURCE].cycles > 0
+        model = s._speculation.heads.model
+        assert model.users == 2  # the Session's share and its MTP context's: the fork gave its own back
+    assert model.users == 0
+
+
+def test_the_shared_memory_assistant_drafts_in_a_session(gemma4):
+    """gemma4's assistant, given as the drafter, drafts in a Session; greedy output is plain decoding."""
+    target, assistant = gemma4
+    with Session(target, assistant, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, lookup=False) as s:
+        assert s.mtp and s._mtp.heads.mem_shared
+        want = s.generate("Good morning!", max_tokens=24, speculative=False).tokens
+        s.reset()
+        r = s.generate("Good morning!", max_tokens=24, block_size=3)
+    assert r.tokens == want and r.stats.per_source[MTP_SOURCE].n_drafted > 0
+
+
+def test_a_heads_file_for_another_target_is_refused(mtp_target, embedded_target, capsys):
+    from dflash_gguf.cli import main
+
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    with pytest.raises(ValueError, match="not MTP heads for this target: it is a qwen35, the target a llama"):
+        Session(embedded_target, heads, n_ctx=N_CTX, n_threads=1)
+    with pytest.raises(ValueError, match="holds MTP heads, and MTP drafting is off"):
+        open_session(mtp_target, drafter=heads, mtp=False)
+    assert main(["hi", "--target", str(embedded_target), "--drafter", str(heads), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "not MTP heads for this target" in err
 
 
 def test_the_mtp_setting_turns_the_heads_off(mtp_target):

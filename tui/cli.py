@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from dflash_gguf.cli_parser import EXIT_BAD_INPUT, OneLineParser
+from dflash_gguf.cli_parser import DRAFTER_HELP, EXIT_BAD_INPUT, OneLineParser
 from dflash_gguf.config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
                                 add_arguments, flag, from_arguments)
 from dflash_gguf.tui.options import CHAT_GENERATION, ChatOptions
@@ -34,7 +34,7 @@ def build_parser() -> OneLineParser:
         description="Chat with a GGUF model through DFlash speculative decoding and watch it work.",
     )
     parser.add_argument("--target", type=Path, help="target model GGUF (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the embedded drafter)")
+    parser.add_argument("--drafter", type=Path, help=DRAFTER_HELP)
     add_arguments(parser, SessionOptions, SESSION)
     add_arguments(parser, GenerationConfig, GENERATION, max_tokens=CHAT_GENERATION.max_tokens)
     add_arguments(parser, CacheOptions, PROMPT_CACHE_SETTINGS)  # a reply's prompt state, kept for the next chat

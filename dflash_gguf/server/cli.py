@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from ..cli_parser import EXIT_BAD_INPUT, OneLineParser
+from ..cli_parser import DRAFTER_HELP, EXIT_BAD_INPUT, OneLineParser
 from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
                       add_arguments, from_arguments)
 from .config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig, default_cache_ram,
@@ -34,7 +34,7 @@ GENERATION = ("block_size", "speculative")
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="dflash drafter GGUF (default: the one shipped for the embedded target)")
+    p.add_argument("--drafter", type=Path, help=DRAFTER_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
