@@ -53,6 +53,8 @@ def diagnose(target: Path | None, drafter: Path | None, options: SessionOptions)
             "drafter": None if session.drafter is None else str(session.drafter.path),
             "speculation_off_because": session.speculative_disabled_reason,
             "sources": _sources(session),
+            # the MTP heads that draft: how many, how they are driven (one, chained, shared-memory), their file
+            "mtp": None if session.speculative_disabled_reason or session._mtp is None else session._mtp.described(),
             # whether cycles may verify draft trees (tree_nodes): speculation, and memory that can branch
             "trees_off_because": session.speculative_disabled_reason or branching_refused(t, session.memory),
         }
@@ -105,9 +107,10 @@ def advice(report: dict[str, Any]) -> list[str]:
     if pair.get("speculation_off_because"):
         out.append(f"speculation is off for this target: {pair['speculation_off_because']}")
     if pair["drafter"] is None:
-        if "mtp" in pair["sources"]:
-            out.append("no drafter: the target's own MTP heads draft, beside lookup (copies from the context); "
-                       "--drafter FILE adds a DFlash drafter instead of the heads")
+        if pair["mtp"] is not None:
+            whose = "the target's own MTP heads" if pair["mtp"]["file"] is None else "the MTP heads given as --drafter"
+            beside = ", beside lookup (copies from the context)" if "lookup" in pair["sources"] else ""
+            out.append(f"no drafter: {whose} draft{beside}; --drafter FILE.gguf with a DFlash drafter adds one")
         else:
             out.append("no drafter: only lookup drafts (copies from the context); --drafter FILE adds one")
         return out
@@ -141,6 +144,7 @@ def to_text(report: dict[str, Any]) -> str:
              f"target     {pair['target']} ({pair['architecture']}, fingerprint {pair['fingerprint'][:16]}) "
              f"on {_where(pair['target_placement'])}",
              f"sources    {', '.join(pair['sources']) or 'none (plain decoding)'}",
+             *([f"mtp        {_heads(pair['mtp'])}"] if pair.get("mtp") else []),
              f"trees      {'off: ' + pair['trees_off_because'] if pair['trees_off_because'] else 'verifiable (tree_nodes)'}"]
     if pair["drafter"] is not None:
         lines.append(f"drafter    {pair['drafter']} ({pair['kind']}, block {pair['block_size']}; rollback "
@@ -162,6 +166,16 @@ def to_text(report: dict[str, Any]) -> str:
         lines.append(f"note       load average {machine['load_average']:.1f} on {machine['cpu_count']} cores while "
                      "measuring: other work disturbed these timings; rerun on a quieter machine")
     return "\n".join(lines) + "\n"
+
+
+def _heads(mtp: dict[str, Any]) -> str:
+    """The MTP heads in words: how many, how driven, whose."""
+    n = mtp["heads"]
+    how = {"one": "1 head, chained on its own output",
+           "chained": f"{n} chained heads (head i drafts token i + 1)",
+           "shared-memory": f"{n} heads in one graph, reading the target's KV"}[mtp["layout"]]
+    whose = "the target's own" if mtp["file"] is None else f"from {mtp['file']}"
+    return f"{how}, at most {mtp['max_draft']} drafts a cycle; {whose}"
 
 
 def _where(placement: dict[str, Any]) -> str:

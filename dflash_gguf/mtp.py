@@ -239,6 +239,7 @@ class MTPHeads(NativeResource):
                     self._gather.mtp_context = context
                     self._gather.serve(Stage.MTP, context.run, context.joins)
         self._ctx: _HeadsContext | None = context
+        self.path = context.heads  # the heads file's, None for the target's own
         self.n_embd, self.n_vocab, self.n_heads = context.ctx.n_embd, context.ctx.n_vocab, context.n_heads
         # the shared-memory layout (gemma4's assistant): its layers attend to the target's own KV, so it keeps
         # no positions of its own (nothing to process), and all its layers run in one graph
@@ -416,6 +417,12 @@ class MTPSource(DraftSource):
         self._offered = False  # whether it offered since the last commit
         self._declined = 0  # offers the policy declined since it last took one
         self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
+
+    def described(self) -> dict[str, Any]:
+        """What drafts (dflash-doctor's report): how many heads and how they are driven, from which file."""
+        h = self.heads
+        layout = "shared-memory" if h.mem_shared else "chained" if h.chained else "one"
+        return {"heads": h.n_heads, "layout": layout, "max_draft": self.max_draft, "file": h.path}
 
     def cached(self) -> int:
         return self._n + len(self._tokens)

@@ -745,16 +745,29 @@ def test_the_mtp_setting_turns_the_heads_off(mtp_target):
         assert [src.name for src in s._sources] == ["lookup"]
 
 
-def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, capsys):
+def test_the_doctor_names_the_sources_a_target_has(mtp_target, hybrid_models, step35, capsys):
+    """Which sources a pair has, and of the MTP heads how many, how driven (chained) and whose."""
     import json
 
     from dflash_gguf.doctor import main
 
-    assert main(["--target", str(mtp_target), "--n-ctx", "512", "--threads", "1"]) == 0
+    common = ["--n-ctx", "512", "--threads", "1"]
+    assert main(["--target", str(mtp_target), *common]) == 0
     text = capsys.readouterr().out
     assert "sources    lookup, mtp\n" in text and "the target's own MTP heads draft" in text
-    assert main(["--target", str(hybrid_models.target("qwen35")), "--n-ctx", "512", "--threads", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pair"]["sources"] == ["lookup"]
+    assert "mtp        1 head, chained on its own output, at most 3 drafts a cycle; the target's own\n" in text
+    assert main(["--target", str(step35[3]), *common]) == 0
+    assert "mtp        3 chained heads (head i drafts token i + 1), at most 3 drafts a cycle" in capsys.readouterr().out
+    trunk = str(hybrid_models.target("qwen35"))
+    assert main(["--target", trunk, *common, "--json"]) == 0
+    pair = json.loads(capsys.readouterr().out)["pair"]
+    assert pair["sources"] == ["lookup"] and pair["mtp"] is None
+    heads = str(mtp_target.parent / "mtp-qwen35.gguf")
+    assert main(["--target", trunk, "--drafter", heads, *common, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pair"]["sources"] == ["lookup", "mtp"] and report["pair"]["drafter"] is None
+    assert report["pair"]["mtp"] == {"heads": 1, "layout": "one", "max_draft": 3, "file": heads}
+    assert any("the MTP heads given as --drafter draft" in line for line in report["advice"])
 
 
 def test_dflash_bench_runs_an_mtp_mode_beside_dflash(mtp_target, hybrid_models, tmp_path, capsys):
