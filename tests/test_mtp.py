@@ -185,6 +185,23 @@ def test_chained_heads_are_lossless_in_a_session(step35, block):
         assert len(r.tokens) == 24 and mtp.n_drafted > 0 and mtp.n_drafted <= 3 * r.stats.cycles
 
 
+@pytest.mark.parametrize("block", [4, None])
+@pytest.mark.parametrize("layout", ["chained", "shared-memory"])
+def test_heads_draft_paths_that_verify_losslessly_where_trees_are_on(step35, gemma4, layout, block):
+    """tree_nodes on an attention-only target (trees verifiable: a unified cache, a sequence per leaf, lookup
+    shaping trees): the heads' draft is one path, verified as the linear block it is, and greedy output is
+    plain decoding."""
+    target, heads = (step35[3], None) if layout == "chained" else gemma4
+    with Session(target, heads, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=1, tree_nodes=8) as s:
+        assert s.tree_disabled_reason is None and s.target.kv_unified and s.target.n_seq_max == 7
+        want = s.generate("Good morning!", max_tokens=32, speculative=False).tokens
+        s.reset()
+        steps = list(s.stream("Good morning!", max_tokens=32, block_size=block))
+    drafted = [st for st in steps if st.source == MTP_SOURCE]
+    assert [t for st in steps for t in st.tokens] == want
+    assert drafted and all(st.tree_nodes == 0 and 1 <= st.n_drafted <= 3 for st in drafted)
+
+
 # --- the shared-memory layout (gemma4) -------------------------------------------------------------
 
 
