@@ -17,9 +17,10 @@ Upstream processes every target batch as it is decoded; here committed tokens wa
 are processed in one batch before the head next drafts, so plain cycles cost no MTP pass. At the end of a
 prefill or a generation (`finish`) they are processed while the policy takes the head's offers; once it has
 declined SET_ASIDE_AFTER in a row, they wait: a head set aside costs no pass for turns it never drafts in,
-resets and cut follow-ups. It then holds at most 2 x MAX_WAITING waiting rows: past that the oldest are
-dropped, their positions held with no MTP state (drafts then see less of the distant past, upstream's see
-it all; the output is the same).
+resets and cut follow-ups, and it offers nothing for a quiet spell (QUIET_CYCLES commits, doubling on every
+offer declined again, up to QUIET_MAX), so the policy does not price it every cycle. It then holds at most
+2 x MAX_WAITING waiting rows: past that the oldest are dropped, their positions held with no MTP state
+(drafts then see less of the distant past, upstream's see it all; the output is the same).
 Chained heads (step35: n trained heads, head i drafting token i + 1) follow upstream's driver too: every
 head processes the committed positions, and draft step i re-decodes the draft prefix under head i (MTPHeads).
 The shared-memory layout (gemma4's assistant, a heads model of its own reading the target's KV) processes
@@ -62,6 +63,9 @@ _DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": dr
 # down to this many, held with no MTP state (see MTPSource): a head the policy has set aside costs no pass
 MAX_WAITING = 1024
 SET_ASIDE_AFTER = 16  # offers the policy declined in a row after which the head counts as set aside (see finish)
+# a head set aside offers again only after this many cycles, twice as many after every offer declined again,
+# up to QUIET_MAX: pricing an offer the policy keeps declining was most of what an idle head cost a cycle
+QUIET_CYCLES, QUIET_MAX = 32, 256
 _COUNT = struct.Struct("<I")  # a snapshot's count of waiting tokens
 
 
@@ -409,13 +413,16 @@ class MTPSource(DraftSource):
         self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
         self._n = 0  # positions the MTP context holds, or dropped while waiting (held with no state)
         self._tokens: list[int] = []  # committed since, positions _n.., waiting for the next draft
-        self._rows = FeatureRows(self.heads.n_embd)  # the target row each waiting token is paired with
-        self._carry = np.zeros(self.heads.n_embd, np.float32)  # the target's row of the last committed token
-        self._carry_address = self._carry.ctypes.data  # observe() runs every cycle: no ctypes lookup there
+        # the target row each waiting token is paired with (the one before it), then the carry: the target's
+        # row of the last committed token, which the next one pairs with. A commit appends its rows (one copy)
+        self._rows = FeatureRows(self.heads.n_embd)
+        self._rows.extend(np.zeros((1, self.heads.n_embd), np.float32))
         self._stride = self.heads.n_embd * 4  # bytes per row
         self._proposed: tuple[int, list[int]] | None = None  # (n_past, tokens) of the last proposal
         self._offered = False  # whether it offered since the last commit
         self._declined = 0  # offers the policy declined since it last took one
+        self._quiet = 0  # cycles left before it offers again (set aside)
+        self._quiet_next = QUIET_CYCLES  # how many the next quiet spell lasts
         self._offer = Offer(self.name, 0)  # the last offer, reused until n_max or what was learnt changes
 
     def described(self) -> dict[str, Any]:
@@ -436,19 +443,17 @@ class MTPSource(DraftSource):
             return
         waiting = n - self._n
         if waiting >= 0:
-            self._carry[:] = self._rows.view()[waiting]
             del self._tokens[waiting:]
-            rows = self._rows.view()[:waiting].copy()
-            self._rows.clear()
-            self._rows.extend(rows)
+            self._keep_rows(0, waiting + 1)  # row `waiting`, the cut token's pair, is the carry now
             return
         self._tokens.clear()
-        self._rows.clear()
+        self._keep_rows(-1, None)
         self.heads.remove(n)
         self._n = n
 
     def available(self, last: int, n_past: int) -> int:
-        return self.max_draft
+        """Nothing while quiet (set aside: see observe), else up to max_draft."""
+        return 0 if self._quiet else self.max_draft
 
     def offer(self, last: int, n_past: int, n_max: int) -> Offer:
         self._offered = True
@@ -464,7 +469,7 @@ class MTPSource(DraftSource):
         if n_past != self._n:
             raise RuntimeError(f"MTP context holds {self._n} positions, the loop is at {n_past}")
         if params.greedy:
-            tokens = self.heads.draft(last, n_past, self._carry_address, n_draft)
+            tokens = self.heads.draft(last, n_past, self._carry_address(), n_draft)
             self._proposed = (n_past, tokens)
             return Candidate(self.name, np.asarray(tokens, dtype=np.int64))
         q = np.empty((n_draft, self.heads.n_vocab), dtype=np.float64)
@@ -473,7 +478,7 @@ class MTPSource(DraftSource):
             q[i] = probabilities(logits[None], params)[0]
             return sample_token(q[i], rng)
 
-        tokens = self.heads.draft(last, n_past, self._carry_address, n_draft, pick)
+        tokens = self.heads.draft(last, n_past, self._carry_address(), n_draft, pick)
         self._proposed = (n_past, tokens)
         return Candidate(self.name, np.asarray(tokens, dtype=np.int64), q=q)
 
@@ -490,21 +495,20 @@ class MTPSource(DraftSource):
             self.stats.observe(_DEPTH0, len(drafted), k)
             self._offer = Offer(self.name, 0)
         if self._proposed is not None:
-            self._declined = 0
+            self._declined, self._quiet_next = 0, QUIET_CYCLES
         elif self._offered:
             self._declined += 1
+            if self._declined >= SET_ASIDE_AFTER:  # set aside: offer again after a quiet spell, doubling
+                self._quiet, self._quiet_next = self._quiet_next, min(2 * self._quiet_next, QUIET_MAX)
+        elif self._quiet:
+            self._quiet -= 1
         self._proposed = None
         self._offered = False
         if self.target.nextn_rows < n:
             raise RuntimeError(f"MTP source told of {n} tokens the target's last decode holds no rows for")
-        # token i is paired with the target's row i - 1 of this batch, the first with the carry
-        stride, carry = self._stride, self._carry_address
-        src = self.target.nextn_address(n)
-        dst = self._rows.reserve(n)
-        ctypes.memmove(dst, carry, stride)
-        if n > 1:
-            ctypes.memmove(dst + stride, src, (n - 1) * stride)
-        ctypes.memmove(carry, src + (n - 1) * stride, stride)
+        # token i is paired with the target's row i - 1 of this batch, the first with the carry (the last row
+        # held): appending the batch's rows pairs them all and leaves its last row the carry
+        ctypes.memmove(self._rows.reserve(n), self.target.nextn_address(n), n * self._stride)
         self._tokens += commit.tokens
         if len(self._tokens) > 2 * MAX_WAITING:
             self._drop_waiting(len(self._tokens) - MAX_WAITING)
@@ -512,9 +516,7 @@ class MTPSource(DraftSource):
     def _drop_waiting(self, k: int) -> None:
         """Hold the k oldest waiting positions with no MTP state. The head attends to what it holds (holes are
         only fewer cells), so drafts after a long streak without one see less of the distant past; lossless."""
-        rows = self._rows.view()[k:].copy()
-        self._rows.clear()
-        self._rows.extend(rows)
+        self._keep_rows(k, None)
         del self._tokens[:k]
         self._n += k
 
@@ -522,8 +524,9 @@ class MTPSource(DraftSource):
         """Its whole state, for the prompt cache: the carry row, the waiting tokens and their rows, and the MTP
         context's KV. Nothing is processed here: a restore resumes exactly where this source stood."""
         n = len(self._tokens)
-        return (self._carry.tobytes() + _COUNT.pack(n) + np.asarray(self._tokens, np.int32).tobytes()
-                + self._rows.view().tobytes() + self.heads.save_state())
+        rows = self._rows.view()
+        return (rows[-1].tobytes() + _COUNT.pack(n) + np.asarray(self._tokens, np.int32).tobytes()
+                + rows[:-1].tobytes() + self.heads.save_state())
 
     def save_state(self) -> bytes:
         return self.snapshot()
@@ -537,7 +540,7 @@ class MTPSource(DraftSource):
         RuntimeError (ValueError for bytes that are no such state) leaves it holding nothing."""
         self._proposed = None
         self._tokens.clear()
-        self._rows.clear()
+        self._keep_rows(-1, None)  # holding nothing: the carry alone
         self._n = 0
         head = self._stride + _COUNT.size
         count = _COUNT.unpack_from(data, self._stride)[0] if len(data) >= head else -1
@@ -546,10 +549,11 @@ class MTPSource(DraftSource):
             self.heads.remove(0)
             raise ValueError(f"not an MTP state of {n} positions ({len(data)} bytes)")
         self.heads.load_state(data[state:], n - count)
-        self._carry[:] = np.frombuffer(data, np.float32, self.heads.n_embd)
         self._tokens += np.frombuffer(data, np.int32, count, head).tolist()
+        self._rows.clear()
         self._rows.extend(np.frombuffer(data, np.float32, count * self.heads.n_embd, head + 4 * count)
                           .reshape(count, self.heads.n_embd))
+        self._rows.extend(np.frombuffer(data, np.float32, self.heads.n_embd).reshape(1, -1))  # the carry
         self._n = n - count
 
     def finish(self) -> None:
@@ -566,7 +570,17 @@ class MTPSource(DraftSource):
             self.heads.process(self._tokens, self._n, self._rows.view())
             self._n += len(self._tokens)
             self._tokens.clear()
-            self._rows.clear()
+            self._keep_rows(-1, None)
+
+    def _keep_rows(self, start: int, stop: int | None) -> None:
+        """Hold rows[start:stop] only (the carry stays the last row held)."""
+        rows = self._rows.view()[start:stop].copy()
+        self._rows.clear()
+        self._rows.extend(rows)
+
+    def _carry_address(self) -> int:
+        """Where the carry is: valid until the next commit or truncation."""
+        return self._rows.view()[-1].ctypes.data
 
     def close(self) -> None:
         """Free the MTP context (before the target's model goes)."""

@@ -119,7 +119,7 @@ def test_the_draft_comparison_sees_a_lost_carry(oracle, mtp_target):
         try:
             t.decode(prompt, 0, logits="last")
             source.observe(Commit(0, prompt, sequence=list(prompt)))
-            source._carry[:] = 0.0  # the carry into the first draft, lost
+            source._rows.view()[-1] = 0.0  # the carry into the first draft, lost
             got = source.propose(int(t.output_logits()[-1].argmax()), len(prompt), 4, SamplingParams(),
                                  np.random.default_rng(0)).tokens.tolist()
         finally:
@@ -754,6 +754,49 @@ def test_a_heads_file_for_another_target_is_refused(mtp_target, embedded_target,
     assert main(["hi", "--target", str(embedded_target), "--drafter", str(heads), "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "not MTP heads for this target" in err
+
+
+def test_a_head_set_aside_offers_again_after_quiet_spells_that_double(mtp_target):
+    """Declined SET_ASIDE_AFTER times in a row, the head offers nothing for QUIET_CYCLES commits (the policy
+    does not price it), then offers once; declined again, it is quiet twice as long (up to QUIET_MAX); a
+    draft taken ends the back-off. Its rows are kept all along: the draft after is exact."""
+    from dflash_gguf.mtp import QUIET_CYCLES, QUIET_MAX, SET_ASIDE_AFTER
+
+    with Target.open(mtp_target, n_ctx=2048, n_batch=N_BATCH, n_threads=1, n_rs_seq=N_RS_SEQ, load_mtp=True) as t:
+        source = MTPSource(t)
+        try:
+            seq = list(PROMPTS[0])
+            t.decode(seq, 0)
+            source.observe(Commit(0, list(seq), sequence=seq))
+
+            def cycle(offer: bool) -> None:
+                if offer:
+                    source.offer(seq[-1], len(seq), 3)
+                t.decode([seq[-1]], len(seq))
+                seq.append(seq[-1])
+                source.observe(Commit(len(seq) - 1, [seq[-1]], sequence=seq))
+
+            for _ in range(SET_ASIDE_AFTER):
+                assert source.available(seq[-1], len(seq)) == 3
+                cycle(True)
+            quiet = []
+            for spell in range(4):
+                n = 0
+                while not source.available(seq[-1], len(seq)):
+                    cycle(False)
+                    n += 1
+                quiet.append(n)
+                cycle(True)  # offered once, declined again
+            assert quiet == [QUIET_CYCLES, 2 * QUIET_CYCLES, 4 * QUIET_CYCLES, min(8 * QUIET_CYCLES, QUIET_MAX)]
+            while not source.available(seq[-1], len(seq)):
+                cycle(False)
+            assert source._tokens and len(source._tokens) == len(seq) - source._n  # every row kept, waiting
+            source.offer(seq[-1], len(seq), 3)
+            assert len(source.propose(seq[-1], len(seq), 3, SamplingParams(), np.random.default_rng(0)).tokens) == 3
+            cycle(False)
+            assert source.available(seq[-1], len(seq)) == 3 and source._quiet_next == QUIET_CYCLES
+        finally:
+            source.close()
 
 
 def test_the_mtp_setting_turns_the_heads_off(mtp_target):
