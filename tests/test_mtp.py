@@ -854,3 +854,8 @@ def test_dflash_bench_runs_an_mtp_mode_beside_dflash(mtp_target, hybrid_models, 
     rc = main(["--target", str(hybrid_models.target("qwen35")), *common, "--modes", "mtp", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "mode mtp: the target has no MTP heads" in err
+    heads = mtp_target.parent / "mtp-qwen35.gguf"
+    rc = main(["--target", str(hybrid_models.target("qwen35")), *common[:2], "--drafter", str(heads), *common[4:],
+               "--modes", "mtp", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "holds MTP heads: dflash-bench times a DFlash" in err

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, help="at most N prompts per category")
     p.add_argument("--target", type=Path, help="target GGUF (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--drafter", type=Path,
-                   help="dflash drafter GGUF (default: the shipped drafter); with --kernels, also time its passes")
+                   help="dflash drafter GGUF (default: the shipped drafter; not MTP heads); with --kernels, also time its passes")
     add_arguments(p, GenerationConfig, GENERATION, max_tokens=128)
     add_arguments(p, SessionOptions, SESSION, n_ctx=2048)
     p.add_argument("--repeats", type=positive_int, default=2,
@@ -116,6 +116,7 @@ def _kernels(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from . import report
+    from ..mtp import is_heads_file
     from .runner import BenchConfig, run_benchmark
     from .suite import load_suite
 
@@ -126,6 +127,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("the llama-server peer needs --llama-server PATH (an upstream llama-server binary)")
     if args.llama_server is not None and not args.llama_server.is_file():
         raise ValueError(f"{args.llama_server}: --llama-server is not a file")
+    if args.drafter is not None and is_heads_file(args.drafter):
+        raise ValueError(f"--drafter {args.drafter} holds MTP heads: dflash-bench times a DFlash drafter against plain "
+                         "decoding (--modes mtp times the target's own heads)")
     out = _check_out(args)
     config = BenchConfig(
         prompts=prompts,
