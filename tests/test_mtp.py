@@ -718,9 +718,12 @@ def test_a_session_given_a_heads_file_drafts_with_it(mtp_target, hybrid_models, 
     assert got.stats.per_source[MTP_SOURCE].n_drafted > 0 and got_log == log
 
 
-def test_forks_of_a_session_given_a_heads_file_share_its_weights(mtp_target, hybrid_models):
+@pytest.mark.parametrize("sequences", [1, 2])
+def test_forks_of_a_session_given_a_heads_file_share_its_weights(mtp_target, hybrid_models, sequences):
+    """A fork (a context of its own, or the next sequence of a shared one, as dflash-serve's slots) drafts with
+    the same loaded heads and replies the same; the file's weights are freed with the last user."""
     heads = mtp_target.parent / "mtp-qwen35.gguf"
-    with open_session(hybrid_models.target("qwen35"), drafter=heads, lookup=False) as s:
+    with open_session(hybrid_models.target("qwen35"), drafter=heads, lookup=False, sequences=sequences) as s:
         want = s.generate("Good morning!", max_tokens=16, block_size=3)
         with s.fork() as other:
             assert other._mtp.heads._ctx.model is s._mtp.heads._ctx.model  # one load of the file
