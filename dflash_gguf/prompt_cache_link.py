@@ -61,6 +61,8 @@ class PromptCacheLink:
                 "n_rs_seq": t.n_rs_seq, "flash_attn": t.flash_attn, "type_k": t.type_k, "type_v": t.type_v,
                 "drafter": None if d is None else [file_identity(d.path), d.type_k, d.type_v],
                 "sources": [s.name for s in self.speculation.sources],
+                # MTP heads given as the drafter: their KV is in the entry, as the drafter's is
+                **({"mtp_heads": file_identity(h.path)} if (h := self.speculation.heads) is not None else {}),
             })
         return self.context
 

@@ -746,6 +746,18 @@ def test_the_shared_memory_assistant_drafts_in_a_session(gemma4):
     assert r.tokens == want and r.stats.per_source[MTP_SOURCE].n_drafted > 0
 
 
+def test_a_prompt_cache_entry_names_the_heads_file_that_drafted(mtp_target, tmp_path):
+    """The entry holds the heads' KV: a Session drafting with a heads file reads only entries made with it,
+    not those of the target's own heads (same target file, same source names)."""
+    from dflash_gguf.prompt_cache import PromptCache
+
+    cache = PromptCache(ram_bytes=1 << 24, directory=tmp_path)
+    with open_session(mtp_target, prompt_cache=cache) as own, \
+            open_session(mtp_target, drafter=mtp_target.parent / "mtp-qwen35.gguf", prompt_cache=cache) as apart:
+        assert [s.name for s in own._sources] == [s.name for s in apart._sources]
+        assert own._cache_link.context_id() != apart._cache_link.context_id()
+
+
 def test_a_heads_file_for_another_target_is_refused(mtp_target, embedded_target, capsys):
     from dflash_gguf.cli import main
 
