@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
 
+from .acceptance import AcceptanceProfile
 from .confidence import best_verify_length, confident_prefix
 from .steps import StepKind
 
@@ -69,6 +70,12 @@ class CostTable:
         slope = max(0.0, (self._s[lo + 1] - self._s[lo]) / (self._n[lo + 1] - self._n[lo]))
         return self._s[lo] + slope * (n_tokens - self._n[lo])
 
+    def seconds_each(self, first: int, last: int) -> list[float]:
+        """seconds(n) for n = first..last (a table of one point is flat: its value, without a search each)."""
+        if len(self._s) == 1:
+            return [self._s[0]] * (last - first + 1)
+        return [self.seconds(n) for n in range(first, last + 1)]
+
     def update(self, n_tokens: int, seconds: float) -> None:
         """Fold one measurement in (EMA); a batch size not seen before starts from the interpolated estimate."""
         _check_sample(n_tokens, seconds)
@@ -93,6 +100,35 @@ def _check_sample(n_tokens: int, seconds: float) -> None:
         raise ValueError(f"seconds must be a finite positive number, got {seconds!r}")
 
 
+class DraftTimes:
+    """Seconds a source's drafts take, by block tokens (n drafts + 1), learnt from timings of them: a source
+    that times its own proposals offers them (Offer.draft_s); the policy keeps one for each source that does not.
+
+    Before any timing a draft is priced as one that runs no model (CHEAP_DRAFT_S); the first timing is taken as
+    measured (an update from CHEAP_DRAFT_S would cap it at twice that, and a source that runs a model would look
+    cheap for dozens of cycles), the later ones folded in as a CostTable does.
+    """
+
+    def __init__(self) -> None:
+        self.table: CostTable | None = None
+
+    def observe(self, block_tokens: int, seconds: float) -> None:
+        """One draft's time; a timer that saw no time pass tells nothing."""
+        if seconds <= 0.0:
+            return
+        if self.table is None:
+            self.table = CostTable({block_tokens: seconds})
+        else:
+            self.table.update(block_tokens, seconds)
+
+    def seconds(self, block_tokens: int) -> float:
+        return CHEAP_DRAFT_S if self.table is None else self.table.seconds(block_tokens)
+
+    def per_length(self, n_max: int) -> list[float] | None:
+        """Seconds a draft of n tokens takes, n = 0..n_max (Offer.draft_s); None before any timing."""
+        return None if self.table is None else [0.0] + self.table.seconds_each(2, n_max + 1)
+
+
 class CostModel:
     """What one cycle costs on this machine: a target batch of n tokens, and one drafter pass over a block.
 
@@ -112,9 +148,10 @@ class CostModel:
         # mean seconds a verify of n tokens spends rolling the target back (0 on a full accept);
         # None where rollback is a KV truncation, whose cost is noise next to a decode
         self.rollback = CostTable(rollback, smoothing=smoothing) if rollback else None
-        # the draft pass of each source without a controller (lookup, MTP), learnt as it drafts; kept here
-        # so that it outlives one generation's policy, as the verify costs do
-        self.source_drafts: dict[str, CostTable] = {}
+        # the draft pass of each source that neither schedules itself nor times its own drafts (MTP), learnt by
+        # the policy from the loop's timings; kept here so that it outlives one generation's policy, as the
+        # verify costs do
+        self.source_drafts: dict[str, DraftTimes] = {}
         # a draft tree's verify of n rows, sharing the prefix and keeping the accepted path included; None
         # until a tree is verified: priced as a block of its rows (their batches cost alike: BENCHMARKS.md)
         self.tree: CostTable | None = None
@@ -236,16 +273,12 @@ class BlockController:
         self.max_draft = max_draft
         self.costs = costs
         self.adaptive = adaptive
-        self._prior_acceptance = prior_acceptance
-        self._prior_strength = prior_strength
-        self._pool_strength = pool_strength
-        self._memory = memory
+        # its acceptance per draft slot, which it owns: evidence fades with the cycles it chooses (`at`)
+        self.profile = AcceptanceProfile(max_draft, prior=prior_acceptance, strength=pool_strength, memory=memory,
+                                         pooled=prior_strength)
         self._base_probe_after = probe_after
         self._max_probe_after = max_probe_after
-        self._accepted = [0.0] * max_draft  # decayed count of cycles where draft position j was accepted
-        self._tried = [0.0] * max_draft  # decayed count of cycles where draft position j was judged
         self._cycle = 0
-        self._last_observed_cycle = 0
         self._aside = False
         self._aside_reason = ""  # why plain decoding was chosen when the controller set drafting aside
         self._plain_streak = 0
@@ -274,23 +307,11 @@ class BlockController:
 
     def acceptance(self) -> list[float]:
         """P(draft j accepted | drafts before it accepted), j = 1..max_draft, as currently estimated."""
-        decay = self._decay()
-        pooled = (sum(self._accepted) * decay + self._prior_strength * self._prior_acceptance) / (
-            sum(self._tried) * decay + self._prior_strength
-        )
-        return [
-            (a * decay + self._pool_strength * pooled) / (t * decay + self._pool_strength)
-            for a, t in zip(self._accepted, self._tried)
-        ]
+        return self.profile.rates(self._cycle)
 
     def expected_tokens(self) -> list[float]:
         """Expected tokens committed by a cycle verifying n drafts, n = 0..max_draft (bonus token included)."""
-        expected = [1.0]
-        all_accepted = 1.0
-        for p in self.acceptance():
-            all_accepted *= p
-            expected.append(expected[-1] + all_accepted)
-        return expected
+        return self.profile.expected_tokens(0, self.max_draft, self._cycle)
 
     def tree_expected(self, linear: Sequence[float] | None = None) -> list[float]:
         """Expected tokens committed by a tree of m rows, m = 0..budget (empty without trees).
@@ -309,10 +330,6 @@ class BlockController:
     def _trees_now(self, expected: Sequence[float]) -> list[float]:
         """tree_expected(), or none while the loop cannot verify trees."""
         return self.tree_expected(expected) if self._cycle >= self._trees_off_until else []
-
-    def _decay(self) -> float:
-        """Evidence fades with the cycles since it was gathered, so a probe after a long plain run counts."""
-        return self._memory ** max(0, self._cycle - self._last_observed_cycle)
 
     # -- decisions ----------------------------------------------------------------------------------
 
@@ -356,7 +373,7 @@ class BlockController:
                 return BlockChoice(best_n, f"{best} > plain {plain_rate:.0f} tok/s", best_rate, tree_rows=best_rows)
             self._aside = True
             self._plain_streak = 0
-            why = "drafts rarely accepted" if any(self._tried) else "verifying costs too much here"
+            why = "drafts rarely accepted" if self.profile.judged() else "verifying costs too much here"
             best = self._describe_shape(best_n, best_rows, expected, trees)
             self._aside_reason = f"plain: {why} (best {best}) < plain {plain_rate:.0f} tok/s"
         # set aside: only probes look at the profile again, so a plain cycle costs the loop next to nothing
@@ -377,6 +394,11 @@ class BlockController:
             return BlockChoice(1, reason, self._rate(1, expected), probe=True)
         self._plain_streak += 1
         return BlockChoice(0, self._aside_reason, plain_rate)
+
+    @property
+    def set_aside(self) -> bool:
+        """Whether it keeps to plain decoding and only probes now and then (its source's offer is probing)."""
+        return self.adaptive and self._aside
 
     def tree_rows_now(self) -> int | None:
         """The tree rows of the cycle `choose` chose (0: a linear block); None where this cycle was not
@@ -431,15 +453,7 @@ class BlockController:
             n_draft = min(n_draft, verified_rows - 1)
             if outcome is not None and not outcome.is_path:  # a tree verified as its first path: the loop judges
                 self._trees_off_until = self._cycle + _TREES_REFUSED_CYCLES  # one path at a time now (a grammar)
-        decay = self._decay()
-        self._accepted = [a * decay for a in self._accepted]
-        self._tried = [t * decay for t in self._tried]
-        for j in range(n_accepted):
-            self._accepted[j] += 1.0
-            self._tried[j] += 1.0
-        if n_accepted < n_draft:
-            self._tried[n_accepted] += 1.0
-        self._last_observed_cycle = self._cycle
+        self.profile.observe(0, n_draft, n_accepted, self._cycle)
         if self._probing:
             self._probing = False
             expected = self.expected_tokens()
@@ -621,19 +635,22 @@ class AdaptivePolicy(Policy):
     """Each cycle, the offer expected to commit most tokens per second under the measured costs, or plain decoding.
 
     An offer's expected tokens per length are priced as one verify of n + 1 tokens (the shared cost model)
-    plus the source's own draft pass (learnt per source from the cycles it drafts; a source under a
-    schedule (a BlockController) is priced by it, with the same verify costs). A source on its own schedule
-    bids the schedule's drafting_rate(), None while set aside, so a profile faded back to its prior but
-    not confirmed by a probe never outbids a rival; it takes the cycle when its bid wins, and when no bid
-    beats plain decoding each such source decides in turn as it would alone (stay plain, or probe). Ties
-    go to the earlier offer. Any number of sources; none is special.
+    plus its draft of n tokens: the offer's own `draft_s` where its source times its drafts, else what the
+    loop's timings of that source's drafts taught the policy (a source under a schedule (a BlockController) is
+    priced by it, with the same verify costs). A probing offer bids nothing: a source on its own schedule
+    that has set drafting aside (so a profile faded back to its prior but not confirmed by a probe never
+    outbids a rival), or one exploring. Otherwise a schedule bids its drafting_rate() and takes the cycle
+    when its bid wins. When no bid beats plain decoding, the offers that may still draft are asked in the
+    Session's order: a schedule decides as it would alone (stay plain, or probe), a probing offer probes its
+    n_max drafts. Ties go to the earlier offer. Any number of sources; none is special.
     """
 
     def __init__(self, costs: CostModel, *, confidence_threshold: float | None = None) -> None:
         self.costs = costs
         self.confidence_threshold = confidence_threshold
         self._schedules: dict[str, Schedule] = {}  # sources that drafted on their own schedule, by name
-        self._drafts = costs.source_drafts  # draft-pass seconds per block, sources without a controller
+        self._drafts = costs.source_drafts  # draft-pass seconds per block, sources that do not time their own
+        self._self_timed: set[str] = set()  # sources whose offers carry their own draft times
         self._plain = Choice(None, 0, StepKind.PLAIN, "")  # the last plain choice, reused while its reason holds
 
     def verify_length(self, candidate: "Candidate") -> int:
@@ -649,13 +666,20 @@ class AdaptivePolicy(Policy):
             if c is not None:
                 if c.costs is not self.costs:
                     raise ValueError(f"{offer.source}: its schedule prices verifies with another cost model")
-                rate = c.drafting_rate()
+                rate = None if offer.probing else c.drafting_rate()
                 if rate is not None and rate > best_rate:
                     best, best_rate = offer, rate
-            elif offer.expected is not None:
-                expected = offer.expected
+            elif offer.expected is not None and not offer.probing:
+                expected, own = offer.expected, offer.draft_s
+                if own is not None:
+                    self._self_timed.add(offer.source)
+                    draft_s = own.__getitem__
+                else:
+                    times = self._drafts.get(offer.source)
+                    draft_s = ((lambda n: CHEAP_DRAFT_S) if times is None  # noqa: E731
+                               else (lambda n: times.seconds(n + 1)))
                 for n in range(1, min(len(expected) - 1, offer.n_max) + 1):
-                    seconds = self.costs.verify_s(n + 1) + self._draft_s(offer.source, n + 1)
+                    seconds = self.costs.verify_s(n + 1) + draft_s(n)
                     rate = expected[n] / seconds
                     if rate > best_rate:
                         best, best_n, best_rate, best_expected, best_s = offer, n, rate, expected[n], seconds
@@ -672,6 +696,9 @@ class AdaptivePolicy(Policy):
                 if choice.n_draft:
                     return choice
                 reason = choice.reason
+            elif offer.probing and offer.n_max:  # an exploring offer probes where nothing else pays
+                why = f"probe {offer.source} {offer.n_max}: no offer pays more than plain {plain_rate:.0f} tok/s"
+                return Choice(offer.source, offer.n_max, StepKind.PROBE, why)
         if reason is None:
             reason = f"plain: {_no_bid(offers)}, plain {plain_rate:.0f} tok/s"
         return self._plain_choice(reason)
@@ -690,29 +717,23 @@ class AdaptivePolicy(Policy):
             self._plain = Choice(None, 0, StepKind.PLAIN, reason)
         return self._plain
 
-    def _draft_s(self, source: str, block_tokens: int) -> float:
-        table = self._drafts.get(source)
-        return CHEAP_DRAFT_S if table is None else table.seconds(block_tokens)
-
     def observe(self, choice: Choice, n_accepted: int, timing: CycleTiming) -> None:
         c = self._schedules.get(choice.source) if choice.n_draft else None
         if c is not None and c.observe(choice.n_draft, n_accepted, timing.block_tokens):
             # a tree: its verify, the shared prefix and the kept path together, priced apart from blocks
             self.costs.observe("tree", timing.block_tokens, timing.verify_s + timing.rollback_s)
-            c.costs.observe("draft", choice.n_draft + 1, timing.draft_s)
+            self.costs.observe("draft", choice.n_draft + 1, timing.draft_s)  # the schedule's costs are these
             return
         self.costs.observe("verify" if choice.n_draft else "plain", timing.block_tokens, timing.verify_s)
         if not choice.n_draft:  # a plain cycle tells no acceptance profile anything
             return
         if c is not None:
-            c.costs.observe("draft", timing.block_tokens, timing.draft_s)
-        elif timing.draft_s > 0:
-            table = self._drafts.get(choice.source)
-            if table is None:  # the first measurement as measured: an update from CHEAP_DRAFT_S would cap it at
-                # twice that, and a source that runs a model (MTP) would look cheap for dozens of cycles
-                self._drafts[choice.source] = CostTable({timing.block_tokens: timing.draft_s})
-            else:
-                table.update(timing.block_tokens, timing.draft_s)
+            self.costs.observe("draft", timing.block_tokens, timing.draft_s)
+        elif choice.source not in self._self_timed:
+            times = self._drafts.get(choice.source)
+            if times is None:
+                times = self._drafts[choice.source] = DraftTimes()
+            times.observe(timing.block_tokens, timing.draft_s)
         self.costs.observe("rollback", timing.block_tokens, timing.rollback_s)
 
 

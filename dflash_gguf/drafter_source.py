@@ -5,8 +5,6 @@ it learns and saves and restores its state through the DraftSource protocol.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .controller import BlockController
@@ -14,9 +12,7 @@ from .drafter import Drafter
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
 from .target import FeatureRows
-
-if TYPE_CHECKING:
-    from .tree import TreeShaper
+from .tree import TreeShaper
 
 __all__ = ["NativeDrafterSource"]
 
@@ -32,13 +28,15 @@ class NativeDrafterSource(DraftSource):
     needs_features = True
     state_part = "drafter"  # its KV cache: the injected target features' K/V
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, *, tree_nodes: int = 0) -> None:
+        """tree_nodes >= 2: its cycles may verify trees of up to that many rows (any drafter kind), which its
+        own shaper grows from the drafter's candidates (TreeShaper refuses fewer); 0: blocks only."""
         self.drafter = drafter
         self.name = drafter.kind
         self.max_draft = drafter.max_draft
         self._controller: BlockController | None = None
-        self._tree: TreeShaper | None = None
-        self._offer = Offer(self.name, 0)  # the last offer, reused while n_max and the controller hold
+        self._tree = TreeShaper(drafter.max_draft, tree_nodes, drafter=drafter) if tree_nodes else None
+        self._offer = Offer(self.name, 0)  # the last offer, reused while n_max, the controller and probing hold
         self._n = 0  # positions injected into the drafter's KV cache
         self._pending = FeatureRows(drafter.n_features)  # rows committed since (a plain streak holds hundreds)
 
@@ -49,23 +47,15 @@ class NativeDrafterSource(DraftSource):
 
     @controller.setter
     def controller(self, controller: "BlockController | None") -> None:
+        if controller is not None and self._tree is not None and controller.trees is not self._tree:
+            controller.attach_trees(self._tree)  # the controller prices its source's trees beside its blocks
         self._controller = controller
-        self._attach()
 
     @property
-    def tree(self) -> "TreeShaper | None":
-        """Set (tree_nodes; any drafter kind): its cycles may verify trees; the controller prices them beside
-        blocks and chooses each cycle's shape (a fixed block verifies a tree of the whole budget)."""
+    def tree(self) -> TreeShaper | None:
+        """Its tree shaper (tree_nodes; any drafter kind): its cycles may verify trees; the controller prices them
+        beside blocks and chooses each cycle's shape (a fixed block verifies a tree of the whole budget)."""
         return self._tree
-
-    @tree.setter
-    def tree(self, shaper: "TreeShaper | None") -> None:
-        self._tree = shaper
-        self._attach()
-
-    def _attach(self) -> None:
-        if self._controller is not None and self._tree is not None and self._controller.trees is not self._tree:
-            self._controller.attach_trees(self._tree)
 
     def cached(self) -> int:
         return self._n
@@ -92,9 +82,13 @@ class NativeDrafterSource(DraftSource):
         return self.max_draft
 
     def offer(self, last: int, n_past: int, n_max: int) -> Offer:
-        if self._offer.n_max != n_max or self._offer.schedule is not self.controller:
-            self._offer = Offer(self.name, n_max, schedule=self.controller)
-        return self._offer
+        """Priced through its controller; probing while the controller has set drafting aside."""
+        c = self._controller
+        probing = c is not None and c.set_aside
+        o = self._offer
+        if o.n_max != n_max or o.schedule is not c or o.probing is not probing:
+            self._offer = o = Offer(self.name, n_max, probing=probing, schedule=c)
+        return o
 
     def drafts_in_block(self, block_size: int) -> int:
         """Drafts a block of block_size holds: all of it for anchor-first DSpark, else all but the last token's slot."""

@@ -10,18 +10,22 @@ at, appended as tokens are committed: each new token costs one insertion per siz
 most a fixed number of dictionary reads and token comparisons, however long the context is. `ops` counts
 both, so that tests can prove it without timing anything.
 
-The draft length is not the index's business: `LookupStats` learns, per match-length bucket, how often
-lookup drafts pass, and the policy turns that into the length that pays most on this machine.
+The draft length is not the index's business: its `AcceptanceProfile` (`lookup_profile`) learns, per
+match-length bucket, how often lookup drafts pass, and the policy turns that into the length that pays most
+on this machine.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from .acceptance import AcceptanceProfile
+from .controller import DraftTimes
 from .sampling import SamplingParams
 from .sources import Candidate, Commit, DraftSource, Offer
 from .tree import DraftTree, grow_tree
@@ -195,50 +199,13 @@ def _default_prior(bucket: int) -> float:
     return min(0.95, 0.5 + 0.06 * bucket)
 
 
-class LookupStats:
-    """How often lookup tokens pass, by the match length at the slot they were drafted in.
-
-    Slot j of a draft from a match of length L continues a match of length L + j, so acceptance is learnt
-    per bucket of that length: decayed Beta counts shrunk towards a prior that rises with the length.
-    """
-
-    def __init__(self, *, prior=_default_prior, strength: float = 4.0, memory: float = 0.95) -> None:
-        if strength <= 0 or not 0.0 < memory <= 1.0:
-            raise ValueError("need strength > 0 and 0 < memory <= 1")
-        self._prior = [prior(b) for b in range(len(MATCH_BUCKETS))]
-        self._strength = strength
-        self._memory = memory
-        self._accepted = [0.0] * len(MATCH_BUCKETS)
-        self._tried = [0.0] * len(MATCH_BUCKETS)
-        self.n_drafted = 0
-        self.n_accepted = 0
-
-    def acceptance(self, length: int) -> float:
-        b = match_bucket(length)
-        return (self._accepted[b] + self._strength * self._prior[b]) / (self._tried[b] + self._strength)
-
-    def expected_tokens(self, match_length: int, n_max: int) -> list[float]:
-        """Expected tokens committed by verifying n lookup tokens, n = 0..n_max (the bonus token included)."""
-        out = [1.0]
-        all_passed = 1.0
-        for j in range(n_max):
-            all_passed *= self.acceptance(match_length + j)
-            out.append(out[-1] + all_passed)
-        return out
-
-    def observe(self, match_length: int, n_drafted: int, n_accepted: int) -> None:
-        if not 0 <= n_accepted <= n_drafted:
-            raise ValueError(f"need 0 <= n_accepted <= n_drafted, got {n_accepted}, {n_drafted}")
-        m = self._memory
-        self._accepted = [a * m for a in self._accepted]
-        self._tried = [t * m for t in self._tried]
-        for j in range(min(n_accepted + 1, n_drafted)):
-            b = match_bucket(match_length + j)
-            self._tried[b] += 1.0
-            if j < n_accepted:
-                self._accepted[b] += 1.0
-        self.n_drafted += n_drafted
-        self.n_accepted += n_accepted
+def lookup_profile(prior: float | None = None) -> AcceptanceProfile:
+    """How often lookup tokens pass, by the match length at the slot they were drafted in: slot j of a draft
+    from a match of length L continues a match of length L + j, so acceptance is learnt per bucket of that
+    length (MATCH_BUCKETS), decayed per draft judged. prior: P(pass) before any evidence, one for every length
+    (None: rising with the length, since longer matches are likelier to continue)."""
+    priors = [_default_prior(b) for b in range(len(MATCH_BUCKETS))] if prior is None else prior
+    return AcceptanceProfile(len(MATCH_BUCKETS), prior=priors, strength=4.0, memory=0.95, slot_of=match_bucket)
 
 
 def continuation_tree(index: NgramIndex, last: int, found: Sequence[Match], depth: int, rows: int,
@@ -247,7 +214,7 @@ def continuation_tree(index: NgramIndex, last: int, found: Sequence[Match], dept
     in `found` (NgramIndex.matches, best first), `depth` tokens each.
 
     A node's chance of being the target's token given its parent was is the lookup acceptance at its match
-    length (acceptance(length): LookupStats', learnt on the best match's drafts) times its share of the
+    length (acceptance(length): the lookup profile's, learnt on the best match's drafts) times its share of the
     occurrences through its parent, the best match weighing as much as all the others together plus one:
     the first chain is then the best match's continuation, the linear draft, and the others branch off it
     where they part from it.
@@ -283,7 +250,8 @@ class LookupSource(DraftSource):
     held twice. Proposals are point masses: with sampling each token is accepted
     with the target's own probability of it (q = 1 at the drafted token), which keeps the output
     distributed exactly as the target's. What passed is learnt per match length (`stats`), from the
-    commits themselves, and its `offer` says what each length is expected to commit, for the policy to price.
+    commits themselves, and what its proposals take it times itself (`draft_times`): its `offer` says what
+    each length is expected to commit and what drafting it takes, for the policy to price.
 
     tree_nodes > 0 (a Session's tree_nodes, where its target verifies trees): where the matched n-gram was
     followed by different continuations, a cycle of n drafts proposes a tree of up to n + 1 rows of them
@@ -294,7 +262,7 @@ class LookupSource(DraftSource):
     needs_features = False
 
     def __init__(self, *, max_draft: int = DEFAULT_MAX_DRAFT, index: NgramIndex | None = None,
-                 stats: LookupStats | None = None, tree_nodes: int = 0) -> None:
+                 stats: AcceptanceProfile | None = None, tree_nodes: int = 0) -> None:
         if not isinstance(max_draft, int) or max_draft < 1:
             raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
         if not isinstance(tree_nodes, int) or tree_nodes < 0 or tree_nodes == 1:
@@ -302,7 +270,8 @@ class LookupSource(DraftSource):
         self.max_draft = max_draft
         self.tree_nodes = tree_nodes
         self.index = index if index is not None else NgramIndex()  # (an empty index is falsy)
-        self.stats = stats or LookupStats()
+        self.stats = stats or lookup_profile()  # what it learns of its own drafts: it owns it
+        self.draft_times = DraftTimes()  # and what they take
         self._match: tuple[int, int, list[Match]] | None = None  # (last, n_past, matches best first) of the last query
         self._proposed: tuple[int, int, list[int]] | None = None  # (n_past, match length, tokens)
 
@@ -332,11 +301,12 @@ class LookupSource(DraftSource):
         """Expected tokens for verifying n lookup tokens now, n = 0..n_max, from what passed at this match length."""
         m = self.match(last, n_past)
         expected = [1.0] if m is None else self.stats.expected_tokens(m.length, min(n_max, self.max_draft))
-        return Offer(self.name, n_max, expected)
+        return Offer(self.name, n_max, expected, self.draft_times.per_length(len(expected) - 1))
 
     def propose(
         self, last: int, n_past: int, n_draft: int, params: SamplingParams, rng: np.random.Generator
     ) -> Candidate:
+        t0 = time.perf_counter()
         m = self.match(last, n_past)
         if m is None:
             raise RuntimeError("lookup has no match to propose from (available() was 0)")
@@ -348,6 +318,7 @@ class LookupSource(DraftSource):
         if self.tree_nodes and len(found) > 1 and n_draft > 1:
             tree = continuation_tree(self.index, last, found, n_draft, min(self.tree_nodes, n_draft + 1),
                                      self.stats.acceptance)
+        self.draft_times.observe(n_draft + 1, time.perf_counter() - t0)
         # tokens: the linear draft the policy priced, verified where the tree is one path or cannot be verified
         return Candidate(self.name, ids, point_mass=True, tree=None if tree is None or tree.is_path else tree)
 

@@ -45,8 +45,9 @@ from typing import Any, Callable, Union
 import numpy as np
 
 from . import llama_ext
+from .acceptance import AcceptanceProfile
 from .batching import Request, SequenceTarget, SharedContext, Stage
-from .lookup import MATCH_BUCKETS, LookupStats
+from .lookup import MATCH_BUCKETS, lookup_profile
 from .sampling import SamplingParams, probabilities, sample_token
 from .sources import Candidate, Commit, DraftSource, Offer
 from .schema import ARCH, Keys
@@ -57,8 +58,8 @@ from .target_gguf import field_value, open_gguf
 MTP_SOURCE = "mtp"
 DEFAULT_MAX_DRAFT = 3  # upstream's default draft n_max; one head chained on its own output rarely passes deeper
 PRIOR_ACCEPTANCE = 0.6  # P(an MTP draft passes) before any evidence: a guess high enough that a head is tried;
-# the commits' evidence replaces it (decayed counts, LookupStats)
-_DEPTH0 = MATCH_BUCKETS[0]  # LookupStats learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
+# the commits' evidence replaces it (decayed counts, its AcceptanceProfile)
+_DEPTH0 = MATCH_BUCKETS[0]  # its profile learns per bucket of this "length": draft slot j is learnt at _DEPTH0 + j
 # committed tokens wait (with their rows) until the head next drafts; past twice this many, the oldest are dropped
 # down to this many, held with no MTP state (see MTPSource): a head the policy has set aside costs no pass
 MAX_WAITING = 1024
@@ -402,7 +403,7 @@ class MTPSource(DraftSource):
     state_part = "mtp"  # snapshot(): the carry, the waiting tokens and rows, the MTP context's KV
 
     def __init__(self, target: Target, *, heads: Heads = None, max_draft: int = DEFAULT_MAX_DRAFT,
-                 n_threads: int | None = None, stats: LookupStats | None = None) -> None:
+                 n_threads: int | None = None, stats: AcceptanceProfile | None = None) -> None:
         """heads: MTP heads shipped apart from the target (`mtp-*.gguf`, gemma4's assistant: a path or a
         HeadsFile), None for the target's own, loaded with it."""
         if not isinstance(max_draft, int) or isinstance(max_draft, bool) or max_draft < 1:
@@ -410,7 +411,7 @@ class MTPSource(DraftSource):
         self.heads = MTPHeads(target, heads=heads, n_threads=n_threads)
         self.target = target
         self.max_draft = min(max_draft, target.n_batch - 1, self.heads.n_heads if self.heads.chained else max_draft)
-        self.stats = stats or LookupStats(prior=lambda bucket: PRIOR_ACCEPTANCE)
+        self.stats = stats or lookup_profile(prior=PRIOR_ACCEPTANCE)
         self._n = 0  # positions the MTP context holds, or dropped while waiting (held with no state)
         self._tokens: list[int] = []  # committed since, positions _n.., waiting for the next draft
         # the target row each waiting token is paired with (the one before it), then the carry: the target's

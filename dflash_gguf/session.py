@@ -114,11 +114,11 @@ class Session:
         self.drafter: Drafter | None = spec.drafter
         self.speculative_disabled_reason: str | None = spec.disabled_reason
         self.tree_disabled_reason: str | None = spec.tree_disabled_reason  # tree_nodes asked for, blocks verified
-        # the sources and what prices them, by the names the tests and benchmarks read them with
-        self._sources, self._lookup, self._mtp = spec.sources, spec.lookup, spec.mtp
+        # the draft sources, peers in this order: the caller's, then its own; below, as tests and benchmarks read them
+        self.sources: tuple[DraftSource, ...] = tuple(spec.sources)
+        self._sources, self._lookup, self._mtp, self._verify_costs = spec.sources, spec.lookup, spec.mtp, spec.verify_costs
         # whether lookup drafts (n-gram matches over prompt and output) and the target's own MTP heads are sources
         self.lookup, self.mtp = spec.lookup is not None, spec.mtp is not None
-        self._controller, self._verify_costs = spec.controller, spec.verify_costs
         self._cache_link = PromptCacheLink(prompt_cache, target, self.memory, self._cache, spec, self._forget)
 
     # -- generation ------------------------------------------------------------------------

@@ -75,19 +75,26 @@ class Commit:
 
 @dataclass(frozen=True)
 class Offer:
-    """What a source offers for the next cycle: up to n_max drafts, and what it expects of them.
+    """What a source offers for the next cycle: up to n_max drafts, and the numbers the policy prices them by.
 
     expected[n]: tokens a cycle verifying n of its drafts is expected to commit, n = 0.. (the bonus
-    token included, so expected[0] == 1), from the source's own acceptance model; the policy prices each
-    length with the measured costs. None: no estimate (the source drafts only in fixed blocks).
+    token included, so expected[0] == 1), from the source's own acceptance profile; the policy prices each
+    length with the measured verify costs. None: no estimate (the source drafts only in fixed blocks).
+    draft_s[n]: seconds its draft of n tokens takes, n = 0.., as the source timed its own drafts
+    (controller.DraftTimes); None where it does not time them, and the policy prices its drafts with what
+    the loop's timings of them taught it.
+    probing: it explores (a source that has set drafting aside and only probes now and then, or a length it
+    has too little evidence on): it bids nothing, and drafts only where no other offer pays, as a probe.
     schedule: a source that keeps its own schedule (the native drafter's controller: its acceptance
-    profile, probing and back-off, its trees) offers through it instead: its bid in tokens per second, and
-    the cycle it would draft; that block may be longer than n_max and is cut to it.
+    profile, probing and back-off, its trees) is priced through it instead: its bid in tokens per second,
+    and the cycle it would draft; that block may be longer than n_max and is cut to it.
     """
 
     source: str
     n_max: int
     expected: Sequence[float] | None = None
+    draft_s: Sequence[float] | None = None
+    probing: bool = False
     schedule: "Schedule | None" = None
 
 
@@ -101,12 +108,15 @@ class Shape(Protocol):
 
 class Schedule(Protocol):
     """What the policy asks of a source that schedules its own cycles (controller.BlockController). The
-    source owns it (and what it learns); the policy prices rivals with the same `costs` and reports back."""
+    source owns it (and what it learns); the policy prices rivals with the same `costs` and reports back:
+    the loop tells only the policy how many drafts a cycle verified (after a confidence or grammar cut) and
+    what it cost, so the outcome reaches the schedule through it."""
 
     costs: "VerifyCostsLike"
 
     def drafting_rate(self) -> float | None:
-        """Expected tokens/s of the cycle it would draft now; None while it keeps to plain decoding."""
+        """Expected tokens/s of the cycle it would draft now; None while it keeps to plain decoding (not
+        asked while its source's offer is probing)."""
 
     def choose(self) -> Shape:
         """This cycle's shape (advances its schedule: call once per cycle it is asked to decide)."""

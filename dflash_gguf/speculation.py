@@ -26,7 +26,7 @@ from .sources import DraftSource
 from .steps import TARGET_OWN
 from .target import Target
 from .timing import calibrate, calibrate_verify, extend_verify_costs
-from .tree import TreeShaper, tree_unusable
+from .tree import tree_unusable
 
 __all__ = ["SOURCES", "SessionParts", "Speculation"]
 
@@ -110,13 +110,9 @@ class Speculation:
         self.lookup = next((s for s in self.sources if isinstance(s, LookupSource)), None)
         self.mtp = next((s for s in self.sources if isinstance(s, MTPSource)), None)
         self.native = next((s for s in self.sources if isinstance(s, NativeDrafterSource)), None)
-        if self.native is not None and tree_nodes:
-            self.tree_disabled_reason = trees_off
-            if trees_off is None:
-                self.native.tree = TreeShaper(self.drafter.max_draft, tree_nodes, drafter=self.drafter)
-        elif tree_nodes:
-            self.tree_disabled_reason = trees_off or (
-                None if self.lookup is not None else "no drafter and no lookup: nothing to shape a tree from")
+        if tree_nodes:  # the drafter and lookup shape their own trees (SessionParts.tree_nodes)
+            self.tree_disabled_reason = trees_off or (None if self.native is not None or self.lookup is not None
+                                                      else "no drafter and no lookup: nothing to shape a tree from")
 
     def for_generation(self, config: GenerationConfig) -> tuple[list[DraftSource], Policy | None, Constraint | None]:
         """The sources, the policy (None: plain decoding) and the constraint one generation decodes with;
@@ -149,7 +145,7 @@ class Speculation:
             n = max((min(s.max_draft + 1, self.target.n_batch) for s in self.sources if s is not self.native),
                     default=0)
             if self.native is not None:
-                controller = self.controller()
+                controller = self._controller()
                 if n > max(controller.costs.target.points()):
                     shorter = controller.costs
 
@@ -168,9 +164,11 @@ class Speculation:
                 self.costs = self._calibrated({"verify_tokens": n}, measure)
         return self.costs
 
-    def controller(self) -> BlockController:
-        """The drafter's controller, one for the Session's life: the measured costs, the acceptance profile
-        and its probing back-off carry over between generations, so a weak drafter is not re-probed every turn."""
+    def _controller(self) -> BlockController:
+        """The drafter's controller, one for the Session's life, which its source owns: the measured costs, the
+        acceptance profile and its probing back-off carry over between generations, so a weak drafter is not
+        re-probed every turn. Built here, not by the source: it prices the drafter's passes with the target's
+        verify batches, timed together on empty caches and stored under both models (calibration_store)."""
         native = self.native
         if native.controller is None:
             drafter = self.drafter
@@ -247,8 +245,8 @@ def mtp_source(parts: SessionParts) -> DraftSource | None:
 
 
 def native_source(parts: SessionParts) -> DraftSource | None:
-    """The drafter the Session was opened with."""
-    return None if parts.drafter is None else NativeDrafterSource(parts.drafter)
+    """The drafter the Session was opened with, shaping its own trees where the target verifies them."""
+    return None if parts.drafter is None else NativeDrafterSource(parts.drafter, tree_nodes=parts.tree_nodes)
 
 
 # The Session's own draft sources, in peer order (after the caller's): each makes its source from a Session's

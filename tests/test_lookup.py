@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_gguf.lookup import DEFAULT_MAX_MATCH, LookupStats, NgramIndex, match_bucket
+from dflash_gguf.lookup import DEFAULT_MAX_MATCH, NgramIndex, lookup_profile, match_bucket
 
 
 def indexed(tokens: list[int], **kw) -> NgramIndex:
@@ -118,7 +118,7 @@ def test_the_index_holds_no_tokens_of_its_own():
 
 
 def test_acceptance_is_learnt_per_match_length():
-    stats = LookupStats()
+    stats = lookup_profile()
     short, long_ = stats.acceptance(2), stats.acceptance(32)
     assert long_ > short  # the prior trusts long matches more
     for _ in range(30):
@@ -139,4 +139,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         NgramIndex(sizes=(2, 40), max_match=32)
     with pytest.raises(ValueError):
-        LookupStats().observe(2, 1, 2)
+        lookup_profile().observe(2, 1, 2)

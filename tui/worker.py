@@ -62,13 +62,12 @@ class SessionInfo:
             drafter_kind=None if d is None else d.kind,
             has_confidence_head=bool(d is not None and d.has_confidence_head),
             drafter_block_size=None if d is None else d.block_size,
-            # Session has no public word for it yet (asked of the lead: a `Session.lookup` property)
             lookup=session.lookup,
             device=session.placement.device,
             chat_template=session.target.vocab.chat_template(),
             prompt_cache=session.prompt_cache is not None,
             mtp=session.mtp,
-            source_names=tuple(s.name for s in session._sources),
+            source_names=tuple(s.name for s in session.sources),
         )
 
 

@@ -14,7 +14,7 @@ import statistics
 import sys
 import warnings
 
-from dflash_gguf.lookup import LookupStats, NgramIndex
+from dflash_gguf.lookup import NgramIndex, lookup_profile
 
 # t(n)/t(1) on the 2-core build machine, quiet, median of 20 (scripts/measure_threads.py)
 COST_RATIOS = {
@@ -41,7 +41,7 @@ def replay(prompt: list[int], output: list[int], costs: dict[int, float], *, max
            oracle: bool = False) -> float:
     """Speedup over plain decoding of lookup drafting over `output` (greedy), the policy choosing lengths."""
     committed = list(prompt)  # what the target would hold: the index reads it
-    index, stats = NgramIndex(committed), LookupStats()
+    index, stats = NgramIndex(committed), lookup_profile()
     index.extend_to(len(committed))
     steps, last, i = 0.0, output[0], 1
     while i < len(output):
