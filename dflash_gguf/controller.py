@@ -184,7 +184,7 @@ class BlockChoice:
 
 
 _TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
-_SIZED_TRIAL_SHARE = 0.25  # a sized tree is tried where drafting every slot adds at most this share of a cycle
+_SIZED_DRAFT_SHARE = 0.25  # a sized tree drafts the slots that add at most this share of a cycle to the best shape's
 _TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
 
@@ -339,13 +339,13 @@ class BlockController:
                 budget = len(trees) - 1
                 # trees sized per cycle: where they did better lately, where only they beat plain decoding, or to
                 # try them (their rate is realized: what their cycles committed, which no estimate reads high)
-                sized_pays = sized > fixed or best_rate <= plain_rate
-                if trees and (sized_pays or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
-                                             and self._sized_trial_pays(best_n, best_rows))):
+                sized_pays = sized > max(fixed, plain_rate) or best_rate <= plain_rate
+                if trees and (sized_pays or self._sized[2] * self._tree_decay() < _TREE_EVIDENCE):
                     self._cycle_tree, self._cycle_sized = budget, True
                     why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized_pays else "not tried lately"
-                    return BlockChoice(self.max_draft, f"tree sized per cycle (<= {budget} rows): {why} (best fixed "
-                                       f"{best}; plain {plain_rate:.0f} tok/s)", sized, tree_rows=budget, sized=True)
+                    return BlockChoice(self._sized_depth(best_n, best_rows), f"tree sized per cycle (<= {budget} rows): "
+                                       f"{why} (best fixed {best}; plain {plain_rate:.0f} tok/s)", sized,
+                                       tree_rows=budget, sized=True)
                 rows = min(budget, (best_rows or best_n + 1) + 1)  # one row past the best shape
                 if rows >= 3 and self._tree_seen[rows] * self._tree_decay() < _TREE_EVIDENCE:
                     n = min(self.max_draft, rows - 1)
@@ -475,12 +475,13 @@ class BlockController:
         self._fixed = [x * decay for x in self._fixed]
         self._tree_cycle = self._cycle
 
-    def _sized_trial_pays(self, n: int, rows: int) -> bool:
-        """Whether trying a sized tree instead of the best fixed shape (n drafts, or a tree of `rows`) risks
-        little: its drafter pass covers every slot, which on a CPU can cost more than the verify it saves."""
-        best_s = self._tree_s(rows) if rows else self._cycle_s(n)
-        extra = self.costs.draft_s(self.max_draft + 1) - self.costs.draft_s(n + 1)
-        return extra <= _SIZED_TRIAL_SHARE * best_s
+    def _sized_depth(self, n: int, rows: int) -> int:
+        """The slots a tree sized per cycle drafts, where the best fixed shape drafts n (or is a tree of `rows`):
+        as many as its drafter pass can cover for at most a share of the best shape's cycle more than that
+        shape's own pass (every slot on a GPU, where a pass costs nearly the same whatever its length; a few
+        past the best shape's on a CPU, where a pass of every slot can cost more than the verify it saves)."""
+        allowed = self.costs.draft_s(n + 1) + _SIZED_DRAFT_SHARE * (self._tree_s(rows) if rows else self._cycle_s(n))
+        return next(d for d in range(self.max_draft, n - 1, -1) if d == n or self.costs.draft_s(d + 1) <= allowed)
 
     def _realized_rates(self, estimate: float) -> tuple[float, float]:
         """Tokens per priced second lately: of trees sized per cycle, and of the fixed shapes the estimates
