@@ -413,7 +413,8 @@ class BlockController:
         outcome = None if self.trees is None else self.trees.take_outcome()
         if n_draft == 0:
             return False
-        tree = outcome is not None and not outcome.is_path and outcome.rows == verified_rows
+        whole = outcome is not None and outcome.rows == verified_rows  # the tree verified as shaped (a path: a block)
+        tree = whole and not outcome.is_path
         if self.trees is not None and verified_rows is not None and not self._probing:
             # what the cycle committed over its time as the costs (learning from every cycle) price it, per way of
             # shaping (sized per cycle or not): priced, so that a cycle slowed by another process counts as any other
@@ -424,7 +425,7 @@ class BlockController:
             into[0] += n_accepted + 1
             into[1] += seconds
             into[2] += 1.0
-        if tree:
+        if whole:  # a path too: what its size commits this cycle, so that a size shaped as a path is not retried
             self._observe_tree(outcome.committed)
             n_draft, n_accepted = outcome.chain_drafts, outcome.chain_accepted
         elif verified_rows is not None:
