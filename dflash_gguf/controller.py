@@ -185,6 +185,7 @@ class BlockChoice:
 
 _TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
 _SIZED_DRAFT_SHARE = 0.25  # a sized tree drafts the slots that add at most this share of a cycle to the best shape's
+_SIZED_TRIAL_CYCLES = 8  # a sized tree tried afresh is kept where it beats the fixed shapes this many cycles
 _TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
 
@@ -261,6 +262,7 @@ class BlockController:
         self._cycle_tree: int | None = None  # the tree rows of the cycle chosen and not yet observed
         self._cycle_sized = False  # and whether it is sized per cycle
         self._sized = [0.0, 0.0, 0.0]  # trees sized per cycle: decayed tokens, priced seconds, cycles
+        self._sized_trial = -_SIZED_TRIAL_CYCLES  # the cycle sized trees were last tried afresh
         self._fixed = [0.0, 0.0, 0.0]  # the same of the other drafting cycles (blocks, trees of a chosen size)
         self._trees_off_until = 0  # the loop verifies trees as their first path (a grammar): none before this cycle
 
@@ -339,8 +341,13 @@ class BlockController:
                 budget = len(trees) - 1
                 # trees sized per cycle: where they did better lately, where only they beat plain decoding, or to
                 # try them (their rate is realized: what their cycles committed, which no estimate reads high)
-                sized_pays = sized > max(fixed, plain_rate) or best_rate <= plain_rate
+                # past its first cycles, a sized tree must beat plain decoding too: one cut to a draft or two
+                # tells the block profile little, so the fixed shape then checks the estimate that keeps drafting on
+                young = self._cycle - self._sized_trial < _SIZED_TRIAL_CYCLES
+                sized_pays = sized > (fixed if young else max(fixed, plain_rate)) or best_rate <= plain_rate
                 if trees and (sized_pays or self._sized[2] * self._tree_decay() < _TREE_EVIDENCE):
+                    if not sized_pays:
+                        self._sized_trial = self._cycle
                     self._cycle_tree, self._cycle_sized = budget, True
                     why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized_pays else "not tried lately"
                     return BlockChoice(self._sized_depth(best_n, best_rows), f"tree sized per cycle (<= {budget} rows): "
