@@ -184,7 +184,7 @@ class BlockChoice:
 
 
 _TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
-_SIZED_DRAFT_SHARE = 0.25  # a sized tree drafts the slots that add at most this share of a cycle to the best shape's
+_SIZED_DRAFT_SHARE = 0.1  # a sized tree drafts the slots that add at most this share of a cycle to the best shape's
 _SIZED_TRIAL_CYCLES = 8  # a sized tree tried afresh is kept where it beats the fixed shapes this many cycles
 _TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
