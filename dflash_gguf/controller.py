@@ -451,7 +451,9 @@ class BlockController:
         if self._probing:
             self._probing = False
             expected = self.expected_tokens()
-            best = self._best(expected, self._trees_now(expected))[0]
+            # whether to leave plain decoding is the blocks' call, as without trees: a tree's estimate (the block's
+            # plus gains measured on other cycles) must not turn a probe into drafting the linear mode would not do
+            best = self._best(expected, ())[0]
             plain_rate = 1.0 / self.costs.plain_s
             if n_accepted == 0:  # rejected outright: whatever the faded profile promises, wait twice as long
                 self._probe_after = min(2 * self._probe_after, self._max_probe_after)
