@@ -221,7 +221,8 @@ class BlockChoice:
 
 
 _TREE_EVIDENCE = 0.25  # a tree size seen less than this (decayed count) is tried again, one row past the best shape
-_SIZED_TRIAL_SHARE = 0.25  # a sized tree is tried where drafting every slot adds at most this share of a cycle
+_SIZED_DRAFT_SHARE = 0.1  # a sized tree drafts the slots that add at most this share of a cycle to the best shape's
+_SIZED_TRIAL_CYCLES = 8  # a sized tree tried afresh is kept where it beats the fixed shapes this many cycles
 _TREES_REFUSED_CYCLES = 64  # after the loop verified a tree as its first path, blocks only for this many cycles
 
 
@@ -294,6 +295,7 @@ class BlockController:
         self._cycle_tree: int | None = None  # the tree rows of the cycle chosen and not yet observed
         self._cycle_sized = False  # and whether it is sized per cycle
         self._sized = [0.0, 0.0, 0.0]  # trees sized per cycle: decayed tokens, priced seconds, cycles
+        self._sized_trial = -_SIZED_TRIAL_CYCLES  # the cycle sized trees were last tried afresh
         self._fixed = [0.0, 0.0, 0.0]  # the same of the other drafting cycles (blocks, trees of a chosen size)
         self._trees_off_until = 0  # the loop verifies trees as their first path (a grammar): none before this cycle
 
@@ -356,13 +358,18 @@ class BlockController:
                 budget = len(trees) - 1
                 # trees sized per cycle: where they did better lately, where only they beat plain decoding, or to
                 # try them (their rate is realized: what their cycles committed, which no estimate reads high)
-                sized_pays = sized > fixed or best_rate <= plain_rate
-                if trees and (sized_pays or (self._sized[2] * self._tree_decay() < _TREE_EVIDENCE
-                                             and self._sized_trial_pays(best_n, best_rows))):
+                # past its first cycles, a sized tree must beat plain decoding too: one cut to a draft or two
+                # tells the block profile little, so the fixed shape then checks the estimate that keeps drafting on
+                young = self._cycle - self._sized_trial < _SIZED_TRIAL_CYCLES
+                sized_pays = sized > (fixed if young else max(fixed, plain_rate)) or best_rate <= plain_rate
+                if trees and (sized_pays or self._sized[2] * self._tree_decay() < _TREE_EVIDENCE):
+                    if not sized_pays:
+                        self._sized_trial = self._cycle
                     self._cycle_tree, self._cycle_sized = budget, True
                     why = f"{sized:.0f} tok/s lately, fixed shapes {fixed:.0f}" if sized_pays else "not tried lately"
-                    return BlockChoice(self.max_draft, f"tree sized per cycle (<= {budget} rows): {why} (best fixed "
-                                       f"{best}; plain {plain_rate:.0f} tok/s)", sized, tree_rows=budget, sized=True)
+                    return BlockChoice(self._sized_depth(best_n, best_rows), f"tree sized per cycle (<= {budget} rows): "
+                                       f"{why} (best fixed {best}; plain {plain_rate:.0f} tok/s)", sized,
+                                       tree_rows=budget, sized=True)
                 rows = min(budget, (best_rows or best_n + 1) + 1)  # one row past the best shape
                 if rows >= 3 and self._tree_seen[rows] * self._tree_decay() < _TREE_EVIDENCE:
                     n = min(self.max_draft, rows - 1)
@@ -435,7 +442,8 @@ class BlockController:
         outcome = None if self.trees is None else self.trees.take_outcome()
         if n_draft == 0:
             return False
-        tree = outcome is not None and not outcome.is_path and outcome.rows == verified_rows
+        whole = outcome is not None and outcome.rows == verified_rows  # the tree verified as shaped (a path: a block)
+        tree = whole and not outcome.is_path
         if self.trees is not None and verified_rows is not None and not self._probing:
             # what the cycle committed over its time as the costs (learning from every cycle) price it, per way of
             # shaping (sized per cycle or not): priced, so that a cycle slowed by another process counts as any other
@@ -446,7 +454,7 @@ class BlockController:
             into[0] += n_accepted + 1
             into[1] += seconds
             into[2] += 1.0
-        if tree:
+        if whole:  # a path too: what its size commits this cycle, so that a size shaped as a path is not retried
             self._observe_tree(outcome.committed)
             n_draft, n_accepted = outcome.chain_drafts, outcome.chain_accepted
         elif verified_rows is not None:
@@ -457,7 +465,9 @@ class BlockController:
         if self._probing:
             self._probing = False
             expected = self.expected_tokens()
-            best = self._best(expected, self._trees_now(expected))[0]
+            # whether to leave plain decoding is the blocks' call, as without trees: a tree's estimate (the block's
+            # plus gains measured on other cycles) must not turn a probe into drafting the linear mode would not do
+            best = self._best(expected, ())[0]
             plain_rate = 1.0 / self.costs.plain_s
             if n_accepted == 0:  # rejected outright: whatever the faded profile promises, wait twice as long
                 self._probe_after = min(2 * self._probe_after, self._max_probe_after)
@@ -489,12 +499,13 @@ class BlockController:
         self._fixed = [x * decay for x in self._fixed]
         self._tree_cycle = self._cycle
 
-    def _sized_trial_pays(self, n: int, rows: int) -> bool:
-        """Whether trying a sized tree instead of the best fixed shape (n drafts, or a tree of `rows`) risks
-        little: its drafter pass covers every slot, which on a CPU can cost more than the verify it saves."""
-        best_s = self._tree_s(rows) if rows else self._cycle_s(n)
-        extra = self.costs.draft_s(self.max_draft + 1) - self.costs.draft_s(n + 1)
-        return extra <= _SIZED_TRIAL_SHARE * best_s
+    def _sized_depth(self, n: int, rows: int) -> int:
+        """The slots a tree sized per cycle drafts, where the best fixed shape drafts n (or is a tree of `rows`):
+        as many as its drafter pass can cover for at most a share of the best shape's cycle more than that
+        shape's own pass (every slot on a GPU, where a pass costs nearly the same whatever its length; a few
+        past the best shape's on a CPU, where a pass of every slot can cost more than the verify it saves)."""
+        allowed = self.costs.draft_s(n + 1) + _SIZED_DRAFT_SHARE * (self._tree_s(rows) if rows else self._cycle_s(n))
+        return next(d for d in range(self.max_draft, n - 1, -1) if d == n or self.costs.draft_s(d + 1) <= allowed)
 
     def _realized_rates(self, estimate: float) -> tuple[float, float]:
         """Tokens per priced second lately: of trees sized per cycle, and of the fixed shapes the estimates

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, build_tree, candidates, target_ranks, walk_greedy
+from dflash_gguf.kinds.head import top
+from dflash_gguf.tree import AcceptanceModel, CalibratedAcceptance, build_tree, target_ranks, walk_greedy
+
 
 def held_out(prompts_file: Path, per_category: int, skip: int) -> list:
     from dflash_gguf.bench.suite import builtin_suite_path
@@ -85,12 +87,9 @@ def collect(args: argparse.Namespace) -> None:
             for pos in range(n_prompt, len(seq) - 1):  # a cycle with `last` = seq[pos]
                 if pos > n_prompt:
                     drafter.inject(features[pos - 1 : pos], pos - 1)
-                rows = np.asarray(drafter.draft(seq[pos], pos, slots), np.float64)
-                top = candidates(rows, k)
-                z = rows - rows.max(axis=1, keepdims=True)
-                lse = np.log(np.exp(z).sum(axis=1, keepdims=True))
-                ids[pos] = top
-                logq[pos] = np.take_along_axis(z - lse, top, axis=1)
+                ids[pos], q = top(drafter.draft(seq[pos], pos, slots), k)
+                with np.errstate(divide="ignore"):
+                    logq[pos] = np.log(q)
             records.append((p, seq, n_prompt, ids, logq))
             print(f"{n + 1}: {p.category} {p.id}: {n_prompt} prompt + {len(seq) - n_prompt} reply tokens", flush=True)
         s.reset()

@@ -324,10 +324,13 @@ def _curve(name: str) -> dict[int, float]:
     return {int(n): float(s) for n, s in spec["seconds"].items()}
 
 
-def run_trees(model: CostModel, budget: int, cycles: int, rng: np.random.Generator) -> list[tuple[bool, int, float]]:
+def run_trees(model: CostModel, budget: int, cycles: int, rng: np.random.Generator,
+              first: tuple[float, ...] = (0.4, 0.3, 0.1, 0.2), later: tuple[float, ...] | None = None,
+              ) -> list[tuple[bool, int, float]]:
     """Simulate cycles of a block drafter whose candidates at every slot are tokens 10, 11, 12, 13 (best
     first), where the target's token is the drafter's first with probability 0.4, its second 0.3, its third
-    0.1, else none of them: what the second candidates hold only a tree can take. budget 0: blocks only.
+    0.1, else none of them (`first`; `later`: at slots 2 and after, where they differ): what the second
+    candidates hold only a tree can take. budget 0: blocks only.
     Returns (a tree was verified, tokens committed, seconds as the model prices the cycle) per cycle; the
     shaper and the controller are the runtime's."""
     from dflash_gguf.tree import TreeShaper, walk_greedy
@@ -340,7 +343,8 @@ def run_trees(model: CostModel, budget: int, cycles: int, rng: np.random.Generat
     logits[:, 10:14] = [2.0, 1.6, 0.5, 0.0]
     out, pos, anchor = [], 100, 1
     for _ in range(cycles):
-        cont = [int(rng.choice([10, 11, 12, 99], p=[0.4, 0.3, 0.1, 0.2])) for _ in range(MAX_DRAFT + 1)]
+        cont = [int(rng.choice([10, 11, 12, 99], p=first if j == 0 or later is None else later))
+                for j in range(MAX_DRAFT + 1)]
         n = controller.choose().n_draft
         rows = controller.tree_rows_now()
         tree = None
@@ -389,3 +393,39 @@ def test_trees_stay_off_where_the_verify_cost_grows_with_rows() -> None:
     blocks = run_trees(CostModel(Q4_1_TARGET, dict(DRAFT)), 0, 600, np.random.default_rng(0))
     assert sum(tree for tree, _, _ in trees) <= 0.05 * len(trees)
     assert _rate(trees) >= 0.97 * _rate(blocks)
+
+
+# this CPU's drafter pass (the embedded drafter, one thread): a block of 2 ~0.15 of a plain step, of 16 ~0.7
+CPU_DRAFT = {2: 0.0016, 8: 0.0038, 16: 0.0081}
+
+
+def test_where_only_the_first_slot_passes_the_tree_mode_drafts_as_blocks_would() -> None:
+    """A drafter right at slot 1 70% of the time and rarely after, at this CPU's costs: one-draft blocks pay a
+    little. Trees must cost nothing there: a tree size whose likeliest rows are a chain is evidence for that
+    size (not retried every cycle as a size "not verified lately"), and a tree sized per cycle that commits less
+    per second than plain decoding is not chosen over the block the estimates prefer."""
+    first, later = (0.7, 0.1, 0.05, 0.15), (0.2, 0.1, 0.05, 0.65)
+    for seed in range(4):
+        trees = run_trees(CostModel(Q4_1_TARGET, dict(CPU_DRAFT)), 16, 800, np.random.default_rng(seed), first, later)
+        blocks = run_trees(CostModel(Q4_1_TARGET, dict(CPU_DRAFT)), 0, 800, np.random.default_rng(seed), first, later)
+        assert _rate(trees) >= 0.97 * _rate(blocks), seed
+
+
+def test_a_tree_sized_per_cycle_drafts_the_slots_its_pass_can_afford() -> None:
+    """A sized tree's drafter pass covers every slot where a pass costs the same whatever its length (a GPU's);
+    where it grows with its length (this CPU's), as many as add at most a tenth of the best block's cycle
+    to that block's own pass: trying one costs little more than the block."""
+    from dflash_gguf.tree import TreeShaper
+
+    for draft in ({16: 1e-4}, CPU_DRAFT):
+        model = CostModel(Q4_1_TARGET, dict(draft))
+        block = BlockController(MAX_DRAFT, model).choose().n_draft  # the best block, before any evidence
+        controller = BlockController(MAX_DRAFT, model)
+        controller.attach_trees(TreeShaper(MAX_DRAFT, 16))
+        n = controller.choose().n_draft  # no tree sized per cycle verified yet: one is tried
+        assert controller.sized_now() and block < n
+        allowed = model.draft_s(block + 1) + 0.1 * (model.draft_s(block + 1) + model.verify_s(block + 1))
+        if draft is CPU_DRAFT:
+            assert model.draft_s(n + 1) <= allowed < model.draft_s(n + 2) and n < MAX_DRAFT
+        else:
+            assert n == MAX_DRAFT

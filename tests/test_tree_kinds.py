@@ -22,7 +22,7 @@ from dflash_gguf.sampling import SamplingParams, adjusted_logits, probabilities
 from dflash_gguf.target import Target
 from dflash_gguf.kinds.dflash2.head import PairCandidates
 from dflash_gguf.kinds.dspark.head import MarkovCandidates, MarkovHead
-from dflash_gguf.kinds.head import SlotCandidates, candidates
+from dflash_gguf.kinds.head import SlotCandidates, candidates, top
 from dflash_gguf.tree import TreeShaper, grow_tree, walk_greedy
 
 ALPHA = 1e-3
@@ -64,6 +64,31 @@ def test_dflash2_children_are_ranked_by_the_pair_scores_given_the_parents_candid
         chain.append(int(lattice[i, prev]))
     assert list(tree.tokens[1 : tree.first_leaf + 1]) == chain
     assert len({tuple(c.after(1, int(lattice[0, j]))[0]) for j in range(k)}) > 1  # children differ by parent
+
+
+def test_dflash_candidates_are_the_whole_rows_top_k_and_softmax(embedded_session):
+    """The shipped drafter's vocabulary is reduced (d2t): most of each slot's logits are -inf. Its candidates, read
+    over the finite columns and slot by slot as a tree asks, are the top k of the whole row, and their
+    probabilities its softmax computed over every column in float64."""
+    drafter = embedded_session.drafter
+    rows = np.array(drafter.draft(1, drafter.pos_max() + 1, 6))  # past what it holds, which it keeps
+    assert np.isneginf(rows).sum() > rows.size // 2  # what makes the finite columns worth reading alone
+    z = rows.astype(np.float64) - rows.max(axis=1, keepdims=True)
+    want_q = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    k = 8
+    lazy = SlotCandidates.from_logits(rows, k)
+    ids, q = top(rows, k)
+    for d in (3, 0, 5):  # in any order
+        got_ids, got_q = lazy.after(d, 0)
+        assert got_ids.tolist() == ids[d].tolist() == np.argsort(-rows[d], kind="stable")[:k].tolist()
+        np.testing.assert_allclose(got_q, want_q[d, got_ids], rtol=1e-12)
+        assert lazy.after(d, 123)[0].tolist() == got_ids.tolist()  # a slot's candidates are the same after any parent
+    few = np.full((2, 10), -np.inf, np.float32)
+    few[:, 4] = 1.0
+    few[:, 7] = 0.0  # fewer finite columns than k: those first, the rest at probability 0
+    ids, q = top(few, 3)
+    assert ids[:, :2].tolist() == [[4, 7], [4, 7]]
+    np.testing.assert_allclose(q, [[np.e / (np.e + 1), 1 / (np.e + 1), 0.0]] * 2)
 
 
 def _head(rng: np.random.Generator, rank: int = 6) -> MarkovHead:

@@ -76,21 +76,44 @@ class Candidates(Protocol):
         ...
 
 
-def candidates(logits: np.ndarray, k: int) -> np.ndarray:
-    """(D, k) the k likeliest tokens of each row of drafter logits, best first."""
-    k = min(k, logits.shape[1])
-    top = np.argpartition(logits, -k, axis=1)[:, -k:]
-    order = np.argsort(-np.take_along_axis(logits, top, axis=1), axis=1, kind="stable")
-    return np.take_along_axis(top, order, axis=1)
+def top_row(row: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (k,), q (k,)): the k likeliest tokens of one row of logits (V,), best first, and their softmax
+    probabilities over the whole row.
+
+    A drafter with a reduced draft vocabulary (d2t) leaves every other column at -inf (the embedded drafter:
+    40,960 of 49,152), and a partition over that many equal values costs ~2.5 ms a row; their probability is
+    exactly 0, so the top k and the normaliser are taken over the finite columns alone (all columns where
+    fewer than k are finite). The ranking is the row's own (float32 is ordered as its float64 values are);
+    the normaliser is a float64 log-sum-exp, the same sum as over the whole row but for its zero terms.
+    """
+    row = np.asarray(row)
+    live = np.flatnonzero(row > -np.inf)
+    if live.size < min(k, row.shape[0]):  # fewer finite than asked: the -inf ones rank last, at q = 0
+        live = np.arange(row.shape[0])
+    values = row[live]
+    k = min(k, values.shape[0])
+    part = np.argpartition(values, -k)[-k:] if k < values.shape[0] else np.arange(values.shape[0])
+    part = part[np.argsort(-values[part], kind="stable")]
+    z = values.astype(np.float64) - float(values.max())
+    log_norm = np.log(np.exp(z).sum())
+    return live[part], np.exp(z[part] - log_norm)
 
 
 def top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, q): the k likeliest tokens of each row of logits (n, V), best first, and their softmax probabilities."""
-    logits = np.asarray(logits, dtype=np.float64)
-    ids = candidates(logits, k)
-    z = logits - logits.max(axis=1, keepdims=True)
-    log_norm = np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return ids, np.exp(np.take_along_axis(z, ids, axis=1) - log_norm)
+    """(ids, q): the k likeliest tokens of each row of logits (n, V), best first, and their softmax
+    probabilities (`top_row` per row)."""
+    logits = np.asarray(logits)
+    k = min(k, logits.shape[1])
+    ids = np.empty((logits.shape[0], k), dtype=np.int64)
+    q = np.empty((logits.shape[0], k), dtype=np.float64)
+    for i, row in enumerate(logits):
+        ids[i], q[i] = top_row(row, k)
+    return ids, q
+
+
+def candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """(D, k) the k likeliest tokens of each row of drafter logits, best first."""
+    return top(logits, k)[0]
 
 
 class SlotCandidates:
@@ -103,12 +126,29 @@ class SlotCandidates:
         self.n_slots = self.ids.shape[0]
 
     @classmethod
-    def from_logits(cls, logits: np.ndarray, k: int) -> "SlotCandidates":
-        """The k likeliest tokens of each slot's logits (D, V), slots 1..D."""
-        return cls(*top(logits, k))
+    def from_logits(cls, logits: np.ndarray, k: int) -> "SlotLogits":
+        """The k likeliest tokens of each slot's logits (D, V), slots 1..D, read as the tree asks for them."""
+        return SlotLogits(logits, k)
 
     def after(self, depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[depth], self.q[depth]
+
+
+class SlotLogits:
+    """DFlash's candidates read from the slots' logits (D, V) when a tree first asks for a slot: a tree of a few
+    rows reads a few slots' top k of the drafted ones (each `top_row`), not all of them. `logits` may be the
+    drafter's output view: the tree is grown before the drafter runs again (TreeShaper.shape)."""
+
+    def __init__(self, logits: np.ndarray, k: int) -> None:
+        self.logits, self.k = logits, k
+        self.n_slots = logits.shape[0]
+        self._slots: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def after(self, depth: int, token: int) -> tuple[np.ndarray, np.ndarray]:
+        got = self._slots.get(depth)
+        if got is None:
+            got = self._slots[depth] = top_row(self.logits[depth], self.k)
+        return got
 
 
 class Head(ABC):
@@ -136,7 +176,8 @@ class Head(ABC):
 
     def tree_candidates(self, rows: np.ndarray, anchor: int, k: int) -> Candidates:
         """The block's candidates as a draft tree grows them after `anchor` (k per node at most), from `rows`
-        (what `rows()` gave): per-slot logits, a slot's candidates the same below any parent (DFlash's)."""
+        (what `rows()` gave): per-slot logits, a slot's candidates the same below any parent (DFlash's), each
+        slot's read when the tree first reaches it."""
         return SlotCandidates.from_logits(rows, k)
 
     @abstractmethod

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...sampling import SamplingParams, probabilities, sample_token
 from ...schema import Keys, Tensors
-from ..head import Head, HeadSource, OutputTransforms, Proposal, top
+from ..head import Head, HeadSource, OutputTransforms, Proposal, top_row
 
 _EPS = 1e-7
 
@@ -167,5 +167,4 @@ class MarkovCandidates:
         row = self.rows[depth]
         if self.head is not None:
             row = self.head.correct(row, self.graph_prev[depth], int(token))
-        ids, q = top(self.transform(np.asarray(row)[None]), self.k)
-        return ids[0], q[0]
+        return top_row(self.transform(np.asarray(row)[None])[0], self.k)
