@@ -163,6 +163,53 @@ def test_a_shared_context_needs_its_own_streams(embedded_target):
             SharedContext(unified)
 
 
+def test_a_batch_waits_for_a_generation_between_two_of_its_cycles(embedded_target):
+    """A sequence that decoded in the cycle it just left is expected back (its thread is handing a Step to
+    its consumer): the next batch waits for its rows rather than going without them, which would cost an
+    extra decode; a cycle that decoded nothing arms nothing, and one that does not come back within linger_s
+    is not waited for."""
+    from dflash_gguf.target import Target
+
+    owner = Target.open(embedded_target, n_ctx=512, n_seq_max=2, kv_unified=False)
+    context = SharedContext(owner, linger_s=60.0)
+    a, b = context.sequence(), context.sequence()
+    try:
+        with a.cycle():
+            a.decode([1, 2, 3], 0)
+        assert context.busy == 1  # between two cycles, it still counts as decoding (the batch pricing's k)
+        before = context.batches
+        done = threading.Event()
+
+        def b_cycle(tokens, pos):
+            with b.cycle():
+                b.decode(tokens, pos)
+            done.set()
+
+        other = threading.Thread(target=b_cycle, args=([1, 2, 3], 0))
+        other.start()
+        assert not done.wait(1.0)  # b's rows wait for a's
+        with a.cycle():
+            a.decode([4], 3)
+        other.join(60)
+        assert done.is_set() and context.batches == before + 1 and context.last.sequences == 2
+        with a.cycle():  # the empty cycle a generation's consumer runs after its last Step
+            pass
+        done.clear()
+        other = threading.Thread(target=b_cycle, args=([4], 3))
+        other.start()
+        other.join(60)
+        assert done.is_set() and context.last.sequences == 1  # nobody was expected: b went at once
+        context.linger_s = 0.05
+        with a.cycle():
+            a.decode([5], 4)
+        done.clear()
+        b_cycle([5], 4)  # a never comes back: b's rows go without it once its linger has run out
+        assert context.last.sequences == 1
+    finally:
+        for v in (a, b):
+            v.close()
+
+
 def _offers(p: float, n: int) -> list[Offer]:
     """One source whose every draft commits with probability p after the one before it did."""
     return [Offer("toy", n, [sum(p ** i for i in range(m + 1)) for m in range(n + 1)])]
