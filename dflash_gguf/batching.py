@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import os
 import threading
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import llama_cpp.llama_cpp as capi
@@ -56,26 +54,6 @@ DEFAULT_LINGER_S = 0.01
 # cuts a batch of several sequences into micro-batches of as many rows from each, so a run this long (a prefill
 # chunk) is decoded by itself: cut up, its rows would take the other kernel
 KERNEL_ROWS = 64
-
-
-def shared_threads() -> int:
-    """The CPU threads a shared context decodes with unless told: one per physical core, as llama-server's.
-
-    A context per slot takes half the cores (target.default_threads), so that two slots decode side by side; a
-    shared context's decodes are the only ones, and half the cores would leave the rest idle (measured on the
-    2-core machine: a one-row step takes ~19 ms of one core, 13.4 ms on two). SMT siblings count once: ggml's
-    kernels gain nothing from a core's second thread and lose to its barriers."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-    cores = set()
-    for cpu in cpus:
-        try:
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, len(cores))
 
 
 @dataclass

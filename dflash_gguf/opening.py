@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import defaults
-from .batching import SharedContext, shared_threads
+from .batching import SharedContext
 from .config import SessionOptions
 from .drafter import Drafter
 from .memory import rs_seq_for
@@ -40,8 +40,6 @@ def open_target(target: str | os.PathLike[str] | None, drafter: str | os.PathLik
                            kv_unified=o.tree_nodes > 0)
     # one KV stream per sequence (not unified): each sequence's cells stay in its own order, as in a context of
     # its own, so its logits are bit for bit what it would get alone (docs/DESIGN.md)
-    # its decodes are the only ones: every core, not the half a context per slot takes (batching.shared_threads)
-    settings["n_threads"] = shared_threads() if o.n_threads is None else o.n_threads
     owner = Target.open(path, n_ctx=n_ctx * o.sequences, n_seq_max=o.sequences, kv_unified=False, **settings)
     try:
         return SharedContext(owner).sequence()
