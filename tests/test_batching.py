@@ -210,6 +210,31 @@ def test_a_batch_waits_for_a_generation_between_two_of_its_cycles(embedded_targe
             v.close()
 
 
+def test_a_request_takes_a_slot_next_to_the_busy_sequences(shared):
+    """libllama decodes a batch of a shared context in one pass per run of consecutive sequence ids: a request
+    with no home takes a free slot next to the busy ones, a gap first, where the least recently used slot
+    would scatter them; a slot that is a request's home is still its own."""
+    import asyncio
+
+    from dflash_gguf.server.slots import SlotPool
+
+    async def go() -> None:
+        pool = SlotPool(shared, max_queue=4)
+        prompt = [7, 7, 7]  # a prefix no slot holds: no home, every cached prefix ties
+        taken = [await pool.acquire(prompt) for _ in range(3)]
+        assert [s.id for s in taken] == [0, 1, 2]
+        pool.release(taken[1])  # busy: 0 and 2; slot 3 is the least recently used, slot 1 fills the gap
+        assert (await pool.acquire(prompt)).id == 1
+        pool.release(taken[2])  # busy: 0 and 1; free: 2, next to them, and 3, which holds a conversation
+        conversation = list(range(100, 140))
+        pool.slots[3].prompt = conversation
+        assert (await pool.acquire(conversation + [5])).id == 3
+
+    for s in shared:
+        s.reset()
+    asyncio.run(go())
+
+
 def _offers(p: float, n: int) -> list[Offer]:
     """One source whose every draft commits with probability p after the one before it did."""
     return [Offer("toy", n, [sum(p ** i for i in range(m + 1)) for m in range(n + 1)])]
