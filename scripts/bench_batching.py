@@ -9,7 +9,8 @@ Servers, each started as a subprocess on a free loopback port with --parallel P,
   upstream   llama-server -np P built from the vendored llama.cpp (--llama-server PATH), plain, if given
   upstream-dflash  the same with the same drafter (-md, --spec-type draft-dflash, --spec-draft-n-max 15)
 The servers run side by side (all started, then measured in turn), so that a machine whose load drifts
-weighs on every one alike: for each round and each concurrency C, each server in turn gets C requests
+weighs on every one alike: for each round and each concurrency C, each server in turn (the order reversed
+every other round) gets C requests
 (distinct prompts, greedy, --max-tokens each) started together; tok/s is all completion tokens over the wall
 time at that concurrency, summed over the --rounds rounds. "8 at once / one at a time" divides the tok/s at
 the highest concurrency by the tok/s of the same requests sent one at a time (concurrency 1) to the same
@@ -122,7 +123,8 @@ def side_by_side(servers: dict[str, Server], a: argparse.Namespace) -> list[dict
         totals = {name: {"concurrency": c, "requests": 0, "tokens": 0, "wall_s": 0.0, "decode_s": 0.0,
                          "batches": 0, "replies": {}} for name in servers}
         for r in range(a.rounds):
-            for name, server in servers.items():
+            order = list(servers.items())
+            for name, server in order if r % 2 == 0 else order[::-1]:  # no server always goes first
                 before = decode_figures(server.url)
                 lv = asyncio.run(level(server.url, c, 1, a.max_tokens, first_round=r))
                 after = decode_figures(server.url)
