@@ -223,6 +223,7 @@ class SharedContext:
             if stage not in self._stages:
                 raise RuntimeError(f"nothing decodes {stage.name} requests on this shared context")
             self._pending.append(req)
+            self._expected.pop(seq, None)  # back (a decode outside a cycle too)
             if seq in self._busy:
                 self._handed.add(seq)
             self._changed.notify_all()

@@ -199,11 +199,15 @@ def test_a_batch_waits_for_a_generation_between_two_of_its_cycles(embedded_targe
         other.start()
         other.join(60)
         assert done.is_set() and context.last.sequences == 1  # nobody was expected: b went at once
+        alone = threading.Thread(target=b.decode, args=([5], 4))  # b, expected, decodes outside a cycle
+        alone.start()
+        alone.join(30)
+        assert not alone.is_alive()  # it does not wait for itself
         context.linger_s = 0.05
         with a.cycle():
             a.decode([5], 4)
         done.clear()
-        b_cycle([5], 4)  # a never comes back: b's rows go without it once its linger has run out
+        b_cycle([6], 5)  # a never comes back: b's rows go without it once its linger has run out
         assert context.last.sequences == 1
     finally:
         for v in (a, b):
