@@ -20,6 +20,10 @@ The rules that keep each sequence's outputs valid:
   buffers, overwritten by the next decode);
 - a busy generation that has not handed over rows for `max_wait_s` (a grammar compiling, a cache file
   loading) is left out of that batch rather than waited for;
+- a generation that handed over rows in the cycle it just left is *expected* back for `linger_s`: between two
+  cycles its thread hands the Step to its consumer and enters the next one, and a batch that went meanwhile
+  would leave it out and cost it (and everyone) a decode of its own; one that does not come back in time is
+  no longer waited for;
 - every C call on the shared context (decode, KV truncation, state save and load) is made under one lock.
 """
 
@@ -40,6 +44,11 @@ from . import llama_ext
 from .target import ClosedError, Target
 
 DEFAULT_MAX_WAIT_S = 0.05  # what a batch waits, at most, for a busy generation's rows
+# what a batch waits, at most, for a generation between two of its cycles. The server's slot threads take
+# ~0.2 ms there (hand the Step to the event loop, enter the next cycle) and a few ms when the GIL is contended;
+# a batch that leaves one out costs an extra decode (>= 13 ms here), so 10 ms of patience is cheap, and a
+# consumer that is slower (a caller iterating a stream by hand) costs the others at most this once per its cycle
+DEFAULT_LINGER_S = 0.01
 # From this many rows of one sequence on, ggml-cpu's flash attention takes its tiled kernel (GGML_FA_TILE_Q in
 # ggml-cpu/common.h) instead of the row-by-row one, and a row's logits move by up to ~1 (docs/DESIGN.md). libllama
 # cuts a batch of several sequences into micro-batches of as many rows from each, so a run this long (a prefill
@@ -103,19 +112,23 @@ class SharedContext:
     """The owner of one target context with N sequences; hands them out as SequenceTargets and gathers
     their decodes. The context is freed when the last SequenceTarget closes."""
 
-    def __init__(self, owner: Target, *, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+    def __init__(self, owner: Target, *, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 linger_s: float = DEFAULT_LINGER_S) -> None:
         if owner.kv_unified or owner.n_seq_max < 2:
             raise ValueError("a shared context keeps one KV stream per sequence: Target.open(..., n_seq_max=N, "
                              "kv_unified=False) with N >= 2")
         self.owner = owner
         self.n_sequences = owner.n_seq_max
         self.max_wait_s = max_wait_s
+        self.linger_s = linger_s
         self.kernel_rows = KERNEL_ROWS
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._free = list(range(self.n_sequences))
         self._open: set[int] = set()
         self._busy: dict[int, int] = {}  # sequence -> cycles it is inside (nested holds count)
+        self._handed: set[int] = set()  # busy sequences that have handed over rows in the cycle they are in
+        self._expected: dict[int, float] = {}  # sequence -> when it left a cycle in which it handed over rows
         self._readers: dict[str, set[int]] = {name: set() for name in _CONTEXT.values()}  # by whose buffers they read
         self._pending: list[Request] = []
         self._stages: dict[Stage, tuple[Runner, Joins]] = {Stage.TARGET: (self._decode_target, self._joins)}
@@ -154,6 +167,8 @@ class SharedContext:
         """A sequence closed: its cells are freed, its id can be handed out again; the last one frees the context."""
         with self._changed:
             self._busy.pop(seq, None)
+            self._handed.discard(seq)
+            self._expected.pop(seq, None)
             for readers in self._readers.values():
                 readers.discard(seq)
             if seq in self._open:
@@ -169,14 +184,16 @@ class SharedContext:
 
     @property
     def busy(self) -> int:
-        """Generations inside a cycle now."""
+        """Generations decoding now: inside a cycle, or between two of them (expected back)."""
         with self._lock:
-            return len(self._busy)
+            now = time.monotonic()
+            return len(self._busy.keys() | {s for s, t in self._expected.items() if now - t < self.linger_s})
 
     # -- the gather ------------------------------------------------------------------------
     def enter(self, seq: int) -> None:
         with self._changed:
             self._busy[seq] = self._busy.get(seq, 0) + 1
+            self._expected.pop(seq, None)
 
     def leave(self, seq: int) -> None:
         with self._changed:
@@ -185,6 +202,9 @@ class SharedContext:
                 self._busy[seq] = left
                 return
             self._busy.pop(seq, None)
+            if seq in self._handed:  # it decoded this cycle: its next one is coming
+                self._handed.discard(seq)
+                self._expected[seq] = time.monotonic()
             for readers in self._readers.values():
                 readers.discard(seq)
             self._changed.notify_all()
@@ -203,6 +223,9 @@ class SharedContext:
             if stage not in self._stages:
                 raise RuntimeError(f"nothing decodes {stage.name} requests on this shared context")
             self._pending.append(req)
+            self._expected.pop(seq, None)  # back (a decode outside a cycle too)
+            if seq in self._busy:
+                self._handed.add(seq)
             self._changed.notify_all()
             while not req.done:
                 stage_now, wait = self._next()
@@ -223,10 +246,17 @@ class SharedContext:
         free = sorted({r.stage for r in self._pending if not self._readers[_CONTEXT[r.stage]] - handed})
         if not free:
             return None, None  # someone still reads the outputs those batches would overwrite: they will notify
+        now = time.monotonic()
         if set(self._busy) - handed:  # a busy sequence has not handed anything over yet
-            left = min(r.t for r in self._pending) + self.max_wait_s - time.monotonic()
+            left = min(r.t for r in self._pending) + self.max_wait_s - now
             if left > 0:
                 return None, left
+        if self._expected:  # a sequence between two cycles: wait for it, up to linger_s after it left
+            late = [seq for seq, t in self._expected.items() if now - t >= self.linger_s]
+            for seq in late:  # not waited for again until it has been through a cycle
+                del self._expected[seq]
+            if self._expected:
+                return None, min(self._expected.values()) + self.linger_s - now
         return free[0], 0.0
 
     def _flush(self, stage: Stage) -> None:

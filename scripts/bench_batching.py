@@ -4,14 +4,21 @@ Servers, each started as a subprocess on a free loopback port with --parallel P,
   per-slot   the server as it was before batching across slots (--baseline REV, run from a git worktree of that
              commit, so no old code path stays in the tree): one context per slot, plain (--block-size 1)
   plain      this tree, --batch-slots: the slots are sequences of one context, --no-speculative
+  plain@REV  the same server at an earlier commit (--before REV), measured beside this tree's
   dflash     this tree, --batch-slots, speculative (the cost model prices each block by its share of the batch)
   upstream   llama-server -np P built from the vendored llama.cpp (--llama-server PATH), plain, if given
   upstream-dflash  the same with the same drafter (-md, --spec-type draft-dflash, --spec-draft-n-max 15)
-For each concurrency C the C requests (distinct prompts, greedy, --max-tokens each) start together, --rounds
-times; tok/s is all completion tokens over the wall time. "8 at once / one at a time" divides the tok/s at the
-highest concurrency by the tok/s of the same requests sent one at a time (concurrency 1) to the same server.
-Every reply is compared with that server's reply to the same prompt at concurrency 1 (greedy): mismatches are
-counted, never hidden.
+The servers run side by side (all started, then measured in turn), so that a machine whose load drifts
+weighs on every one alike: for each round and each concurrency C, each server in turn (the order reversed
+every other round) gets C requests
+(distinct prompts, greedy, --max-tokens each) started together; tok/s is all completion tokens over the wall
+time at that concurrency, summed over the --rounds rounds. "8 at once / one at a time" divides the tok/s at
+the highest concurrency by the tok/s of the same requests sent one at a time (concurrency 1) to the same
+server. Every reply is compared with that server's reply to the same prompt at concurrency 1 (greedy):
+mismatches are counted, never hidden. Where the server's slots share one context its /metrics say how long
+its decodes took: "in decode" is that share of the wall time, the rest being the server's own time (HTTP,
+the Python between decodes) and the machine's other work; "batches" are its decodes, so that batches split
+by a slot left out of a cycle show. The load average is sampled before each level.
 
     python scripts/bench_batching.py --baseline 2d83559 --parallel 8 --json batching.json
 """
@@ -20,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,13 +82,13 @@ async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[
     return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
 
 
-async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> dict:
+async def level(url: str, concurrency: int, rounds: int, max_tokens: int, first_round: int = 0) -> dict:
     """`rounds` rounds of `concurrency` requests started together; the replies by prompt."""
     replies: dict[str, str] = {}
     tokens = 0
     async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
         t0 = time.perf_counter()
-        for r in range(rounds):
+        for r in range(first_round, first_round + rounds):
             prompts = [PROMPTS[(r * concurrency + i) % len(PROMPTS)] for i in range(concurrency)]
             done = await asyncio.gather(*(one(client, p, max_tokens) for p in prompts))
             for p, (text, n) in zip(prompts, done):
@@ -92,24 +99,64 @@ async def level(url: str, concurrency: int, rounds: int, max_tokens: int) -> dic
             "tokens_per_s": tokens / wall, "replies": replies}
 
 
-def measure(name: str, server: Server, a: argparse.Namespace) -> dict:
+def decode_figures(url: str) -> tuple[float, int] | None:
+    """(seconds in llama_decode, decodes) of the server's shared context so far; None where it has none."""
     try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    s = re.search(r"^dflash_batch_seconds_total (\S+)$", text, re.M)
+    n = re.search(r"^dflash_batches_total (\S+)$", text, re.M)
+    return None if s is None or n is None else (float(s.group(1)), int(float(n.group(1))))
+
+
+def side_by_side(servers: dict[str, Server], a: argparse.Namespace) -> list[dict]:
+    """Every server warmed up, then each concurrency's rounds given to each server in turn."""
+    rss = {}
+    for name, server in servers.items():
         asyncio.run(level(server.url, a.parallel, 1, 4))  # warm-up: every slot, calibration
-        rss = rss_mib(server.proc.pid)
-        levels = [asyncio.run(level(server.url, c, a.rounds, a.max_tokens)) for c in a.concurrency]
-    finally:
-        server.stop()
-    alone = {}
-    for lv in levels:  # concurrency 1 first: the replies each prompt gets by itself
-        for p, text in lv["replies"].items():
-            alone.setdefault(p, text)
-    for lv in levels:
-        lv["mismatches"] = sum(text != alone[p] for p, text in lv.pop("replies").items())
-        print(f"{name:9} c={lv['concurrency']}: {lv['tokens_per_s']:6.1f} tok/s  ({lv['tokens']} tokens in "
-              f"{lv['wall_s']:.1f} s, replies differing from c=1: {lv['mismatches']})", flush=True)
-    first, last = levels[0], levels[-1]
-    return {"server": name, "rss_mib": rss, "levels": levels,
-            "at_once_over_one_at_a_time": last["tokens_per_s"] / first["tokens_per_s"]}
+        rss[name] = rss_mib(server.proc.pid)
+    levels: dict[str, list[dict]] = {name: [] for name in servers}
+    loads = []
+    for c in a.concurrency:
+        loads.append(os.getloadavg()[0])
+        totals = {name: {"concurrency": c, "requests": 0, "tokens": 0, "wall_s": 0.0, "decode_s": 0.0,
+                         "batches": 0, "replies": {}} for name in servers}
+        for r in range(a.rounds):
+            order = list(servers.items())
+            for name, server in order if r % 2 == 0 else order[::-1]:  # no server always goes first
+                before = decode_figures(server.url)
+                lv = asyncio.run(level(server.url, c, 1, a.max_tokens, first_round=r))
+                after = decode_figures(server.url)
+                t = totals[name]
+                for k in ("requests", "tokens", "wall_s"):
+                    t[k] += lv[k]
+                for p, text in lv["replies"].items():
+                    t["replies"].setdefault(p, text)
+                if before is not None and after is not None:
+                    t["decode_s"] += after[0] - before[0]
+                    t["batches"] += after[1] - before[1]
+                else:
+                    t["decode_s"] = t["batches"] = None
+        for name, t in totals.items():
+            t["tokens_per_s"] = t["tokens"] / t["wall_s"]
+            levels[name].append(t)
+    out = []
+    for name, lvs in levels.items():
+        alone = {}
+        for lv in lvs:  # concurrency 1 first: the replies each prompt gets by itself
+            for p, text in lv["replies"].items():
+                alone.setdefault(p, text)
+        for lv in lvs:
+            lv["mismatches"] = sum(text != alone[p] for p, text in lv.pop("replies").items())
+            share = "" if lv["decode_s"] is None else (
+                f", {100 * lv['decode_s'] / lv['wall_s']:.0f}% in decode, {lv['batches']} batches")
+            print(f"{name:9} c={lv['concurrency']}: {lv['tokens_per_s']:6.1f} tok/s  ({lv['tokens']} tokens in "
+                  f"{lv['wall_s']:.1f} s{share}, replies differing from c=1: {lv['mismatches']})", flush=True)
+        out.append({"server": name, "rss_mib": rss[name], "levels": lvs,
+                    "at_once_over_one_at_a_time": lvs[-1]["tokens_per_s"] / lvs[0]["tokens_per_s"]})
+    print("load average (1 min) before each level: " + ", ".join(f"c={c} {x:.1f}" for c, x in zip(a.concurrency, loads)))
+    return out
 
 
 def main() -> int:
@@ -120,6 +167,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, help="CPU threads (every server; default: each one's own choice)")
     p.add_argument("--baseline", help="the commit before batching across slots (its per-slot server is measured)")
+    p.add_argument("--before", help="an earlier commit whose batched plain server is measured beside this tree's")
     p.add_argument("--llama-server", type=Path, help="upstream llama-server binary (-np P, plain), if measured")
     p.add_argument("--only", default="per-slot,plain,dflash,upstream,upstream-dflash",
                    help="which servers, comma-separated")
@@ -136,41 +184,59 @@ def main() -> int:
     threads = ["--threads", str(a.threads)] if a.threads else []
     ours = [sys.executable, "-m", "dflash_gguf.server.cli", "--parallel", str(a.parallel), "--queue", "64",
             "--n-ctx", "1024", "--log-level", "warning", *threads]
-    out = {"commit": commit(), "baseline": a.baseline, "parallel": a.parallel, "max_tokens": a.max_tokens,
+    out = {"commit": commit(), "baseline": a.baseline, "before": a.before, "parallel": a.parallel, "max_tokens": a.max_tokens,
            "rounds": a.rounds, "cpu_count": os.cpu_count(), "load_before": os.getloadavg(), "servers": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        if a.baseline and "per-slot" in only:
-            tree = Path(tmp) / "baseline"
-            made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), a.baseline], cwd=ROOT,
-                                  capture_output=True, text=True)
-            if made.returncode != 0:
-                p.error(f"--baseline {a.baseline}: {made.stderr.strip().splitlines()[-1] if made.stderr else 'git failed'}")
-            try:
-                env = {**os.environ, "PYTHONPATH": str(tree)}
-                out["servers"].append(measure("per-slot", Server([*ours, "--block-size", "1"], cwd=tree, env=env), a))
-            finally:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
-    if "plain" in only:
-        out["servers"].append(measure("plain", Server([*ours, "--batch-slots", "--no-speculative"]), a))
-    if "dflash" in only:
-        out["servers"].append(measure("dflash", Server([*ours, "--batch-slots"]), a))
-    if a.llama_server and "upstream" in only:
-        from dflash_gguf import defaults
+    servers: dict[str, Server] = {}
+    trees: list[Path] = []
 
-        cmd = [str(a.llama_server), "-m", str(defaults.embedded_target()), "-np", str(a.parallel),
-               "-c", str(1024 * a.parallel), "-fa", "on", "--host", "127.0.0.1", *(["-t", str(a.threads)] if a.threads else [])]
-        out["servers"].append(measure("upstream", Server(cmd), a))
-        if "upstream-dflash" in only:  # the same drafter, upstream's draft-dflash with its blocks as ours
-            draft = [*cmd, "-md", str(defaults.embedded_drafter()), "--spec-type", "draft-dflash",
-                     "--spec-draft-n-max", "15"]
-            out["servers"].append(measure("upstream-dflash", Server(draft), a))
+    def at(rev: str, option: str) -> tuple[Path, dict[str, str]]:
+        """A git worktree of `rev`, and the environment that runs the server from it."""
+        tree = Path(tmp) / f"tree{len(trees)}"
+        made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT,
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            p.error(f"{option} {rev}: {made.stderr.strip().splitlines()[-1] if made.stderr else 'git failed'}")
+        trees.append(tree)
+        return tree, {**os.environ, "PYTHONPATH": str(tree)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if a.baseline and "per-slot" in only:
+                tree, env = at(a.baseline, "--baseline")
+                servers["per-slot"] = Server([*ours, "--block-size", "1"], cwd=tree, env=env)
+            if a.before:
+                tree, env = at(a.before, "--before")
+                servers[f"plain@{a.before}"] = Server([*ours, "--batch-slots", "--no-speculative"], cwd=tree, env=env)
+            if "plain" in only:
+                servers["plain"] = Server([*ours, "--batch-slots", "--no-speculative"])
+            if "dflash" in only:
+                servers["dflash"] = Server([*ours, "--batch-slots"])
+            if a.llama_server and "upstream" in only:
+                from dflash_gguf import defaults
+
+                cmd = [str(a.llama_server), "-m", str(defaults.embedded_target()), "-np", str(a.parallel),
+                       "-c", str(1024 * a.parallel), "-fa", "on", "--host", "127.0.0.1",
+                       *(["-t", str(a.threads)] if a.threads else [])]
+                servers["upstream"] = Server(cmd)
+                if "upstream-dflash" in only:  # the same drafter, upstream's draft-dflash with its blocks as ours
+                    draft = [*cmd, "-md", str(defaults.embedded_drafter()), "--spec-type", "draft-dflash",
+                             "--spec-draft-n-max", "15"]
+                    servers["upstream-dflash"] = Server(draft)
+            out["servers"] = side_by_side(servers, a)
+        finally:
+            for server in servers.values():
+                server.stop()
+            for tree in trees:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     out["load_after"] = os.getloadavg()
     print(f"\n| server | {' | '.join(f'c={c} tok/s' for c in a.concurrency)} | at once / one at a time | "
-          "replies differing | RSS MiB |")
-    print("|---|" + "---|" * (len(a.concurrency) + 3))
+          "in decode, by c | replies differing | RSS MiB |")
+    print("|---|" + "---|" * (len(a.concurrency) + 4))
     for s in out["servers"]:
         cells = " | ".join(f"{lv['tokens_per_s']:.1f}" for lv in s["levels"])
-        print(f"| {s['server']} | {cells} | {s['at_once_over_one_at_a_time']:.2f}x | "
+        share = "-" if s["levels"][0]["decode_s"] is None else " / ".join(
+            f"{100 * lv['decode_s'] / lv['wall_s']:.0f}%" for lv in s["levels"])
+        print(f"| {s['server']} | {cells} | {s['at_once_over_one_at_a_time']:.2f}x | {share} | "
               f"{sum(lv['mismatches'] for lv in s['levels'])} | {s['rss_mib']:.0f} |")
     write_json(a.json, out)
     return 0

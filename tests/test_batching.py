@@ -163,6 +163,82 @@ def test_a_shared_context_needs_its_own_streams(embedded_target):
             SharedContext(unified)
 
 
+def test_a_batch_waits_for_a_generation_between_two_of_its_cycles(embedded_target):
+    """A sequence that decoded in the cycle it just left is expected back (its thread is handing a Step to
+    its consumer): the next batch waits for its rows rather than going without them, which would cost an
+    extra decode; a cycle that decoded nothing arms nothing, and one that does not come back within linger_s
+    is not waited for."""
+    from dflash_gguf.target import Target
+
+    owner = Target.open(embedded_target, n_ctx=512, n_seq_max=2, kv_unified=False)
+    context = SharedContext(owner, linger_s=60.0)
+    a, b = context.sequence(), context.sequence()
+    try:
+        with a.cycle():
+            a.decode([1, 2, 3], 0)
+        assert context.busy == 1  # between two cycles, it still counts as decoding (the batch pricing's k)
+        before = context.batches
+        done = threading.Event()
+
+        def b_cycle(tokens, pos):
+            with b.cycle():
+                b.decode(tokens, pos)
+            done.set()
+
+        other = threading.Thread(target=b_cycle, args=([1, 2, 3], 0))
+        other.start()
+        assert not done.wait(1.0)  # b's rows wait for a's
+        with a.cycle():
+            a.decode([4], 3)
+        other.join(60)
+        assert done.is_set() and context.batches == before + 1 and context.last.sequences == 2
+        with a.cycle():  # the empty cycle a generation's consumer runs after its last Step
+            pass
+        done.clear()
+        other = threading.Thread(target=b_cycle, args=([4], 3))
+        other.start()
+        other.join(60)
+        assert done.is_set() and context.last.sequences == 1  # nobody was expected: b went at once
+        alone = threading.Thread(target=b.decode, args=([5], 4))  # b, expected, decodes outside a cycle
+        alone.start()
+        alone.join(30)
+        assert not alone.is_alive()  # it does not wait for itself
+        context.linger_s = 0.05
+        with a.cycle():
+            a.decode([5], 4)
+        done.clear()
+        b_cycle([6], 5)  # a never comes back: b's rows go without it once its linger has run out
+        assert context.last.sequences == 1
+    finally:
+        for v in (a, b):
+            v.close()
+
+
+def test_a_request_takes_a_slot_next_to_the_busy_sequences(shared):
+    """libllama decodes a batch of a shared context in one pass per run of consecutive sequence ids: a request
+    with no home takes a free slot next to the busy ones, a gap first, where the least recently used slot
+    would scatter them; a slot that is a request's home is still its own."""
+    import asyncio
+
+    from dflash_gguf.server.slots import SlotPool
+
+    async def go() -> None:
+        pool = SlotPool(shared, max_queue=4)
+        prompt = [7, 7, 7]  # a prefix no slot holds: no home, every cached prefix ties
+        taken = [await pool.acquire(prompt) for _ in range(3)]
+        assert [s.id for s in taken] == [0, 1, 2]
+        pool.release(taken[1])  # busy: 0 and 2; slot 3 is the least recently used, slot 1 fills the gap
+        assert (await pool.acquire(prompt)).id == 1
+        pool.release(taken[2])  # busy: 0 and 1; free: 2, next to them, and 3, which holds a conversation
+        conversation = list(range(100, 140))
+        pool.slots[3].prompt = conversation
+        assert (await pool.acquire(conversation + [5])).id == 3
+
+    for s in shared:
+        s.reset()
+    asyncio.run(go())
+
+
 def _offers(p: float, n: int) -> list[Offer]:
     """One source whose every draft commits with probability p after the one before it did."""
     return [Offer("toy", n, [sum(p ** i for i in range(m + 1)) for m in range(n + 1)])]

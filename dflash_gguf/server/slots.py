@@ -6,6 +6,9 @@ queue is full (503 once the server is closing). Waiting for the ticket is the ca
 can begin (its headers and first events) while it waits.
 Among free slots it takes the one whose cached tokens its prompt extends the most, so that a
 multi-turn chat keeps landing on the slot that holds its KV; ties go to the least recently used.
+Where the slots are sequences of one context (--batch-slots), a request with no home among the free
+slots takes one next to the busy sequences first: libllama decodes their batch in one pass per run of
+consecutive sequence ids, so busy slots 0, 1, 2 decode in one pass and 0, 2, 5 in three.
 A slot's cached tokens are its Session's committed tokens, read where the Session holds them.
 
 A slot that frees while requests wait goes to the earliest waiter whose conversation lives there (its
@@ -29,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..batching import SequenceTarget
 from ..decoding import shared_prefix
 from ..session import Session
 from .errors import APIError
@@ -66,6 +70,12 @@ class SlotPool:
         if not sessions:
             raise ValueError("the pool needs at least one Session")
         self.slots = [Slot(i, s) for i, s in enumerate(sessions)]
+        # where the slots are sequences of one context, each one's sequence id: libllama decodes such a batch
+        # in one pass per run of consecutive ids (a KV stream per sequence), so sequences 0, 1, 2 decode in one
+        # pass and 0, 2, 5 in three; a request takes a free slot that keeps the busy ids in few runs
+        targets = [s.target for s in sessions]
+        self._seq = ({slot.id: t.seq_id for slot, t in zip(self.slots, targets)}
+                     if all(isinstance(t, SequenceTarget) for t in targets) else None)
         self.max_queue = max_queue
         self._waiting: deque[_Waiter] = deque()
         self.closing = False
@@ -95,7 +105,7 @@ class SlotPool:
         home = self.home(tokens)
         joins = home is not None and home.busy and home.ending
         if free and not joins and all(w.home_only for w in self._waiting):
-            ticket.set_result(self._take(max(free, key=lambda s: (s.shared_prefix(tokens), -s.last_used))))
+            ticket.set_result(self._take(self._pick(free, tokens, home)))
             return ticket
         if len(self._waiting) >= self.max_queue:
             raise APIError(429, f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests are "
@@ -103,6 +113,20 @@ class SlotPool:
                            headers={"Retry-After": str(self.retry_after())})
         self._waiting.append(_Waiter(tokens, ticket, home_only=joins))
         return ticket
+
+    def _pick(self, free: list[Slot], tokens: Sequence[int], home: Slot | None) -> Slot:
+        """The free slot a request takes: its home; else, on a shared context, one next to busy sequences
+        (filling a gap first); then the longest cached prefix, then the least recently used."""
+        if home is not None and not home.busy:
+            return home
+        return max(free, key=lambda s: (self._busy_neighbours(s), s.shared_prefix(tokens), -s.last_used))
+
+    def _busy_neighbours(self, slot: Slot) -> int:
+        """Busy slots whose sequence ids are next to this slot's (0 where the slots have contexts of their own)."""
+        if self._seq is None:
+            return 0
+        seq = self._seq[slot.id]
+        return sum(1 for s in self.slots if s.busy and abs(self._seq[s.id] - seq) == 1)
 
     def withdraw(self, ticket: asyncio.Future[Slot]) -> bool:
         """The request is gone before its generation began: its place in the queue is given up, or the slot it
