@@ -2,11 +2,13 @@
 docs/SERVER.md's agent recipe starts it; prints what it took.
 
     python scripts/agent_turn.py claude|codex|opencode [--prompt TEXT] [--n-ctx 32768] [--out DIR]
+        [--env NAME=VALUE ...]
 
 The server is the recipe's (`dflash-serve --target T --drafter D --n-ctx 32768 --api-key KEY`) on the embedded
 pair, whose target is copied with a Hermes tool template (the embedded SmolLM2's own template takes no tools:
 the copy is what tests/test_agents.py serves). Each client runs as a new user runs it, in a home of its own and
-a scratch git project holding one file, configured only with what points it at the server:
+a scratch git project holding one file, configured only with what points it at the server (and what --env adds:
+the client's own settings from this shell's environment are not passed, so a run is what a new user gets):
 
 - Claude Code: `claude -p PROMPT --output-format stream-json --verbose` (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY);
 - Codex: a provider in ~/.codex/config.toml, `codex exec --json PROMPT`;
@@ -62,9 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(target: Path, n_ctx: int, port: int, log: Path) -> tuple[subprocess.Popen, list[str]]:
+def start_server(target: Path, n_ctx: int, port: int, log: Path,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """The recipe's server (`extra`: more dflash-serve flags), once /health answers; its output goes to `log`."""
     cmd = ["dflash-serve", "--target", str(target), "--drafter", str(defaults.embedded_drafter()),
-           "--n-ctx", str(n_ctx), "--api-key", KEY, "--port", str(port)]
+           "--n-ctx", str(n_ctx), "--api-key", KEY, "--port", str(port), *(extra or [])]
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DFLASH_API_KEY": ""})
     deadline = time.monotonic() + 300
@@ -145,7 +149,12 @@ def main() -> None:
     p.add_argument("--n-ctx", type=int, default=32768, help="the recipe's context (default 32768)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the turn may take (default 3600)")
     p.add_argument("--out", type=Path, help="where the server log, transcript and summary go (default: a temp dir)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable for the client's environment, e.g. CLAUDE_STREAM_IDLE_TIMEOUT_MS=3600000 (repeatable)")
     args = p.parse_args()
+    extra_env = dict(e.split("=", 1) for e in args.env if "=" in e and e.split("=", 1)[0])
+    if len(extra_env) != len(args.env):
+        raise SystemExit(f"agent_turn.py: --env takes NAME=VALUE, got {[e for e in args.env if '=' not in e or e.startswith('=')]}")
     if not (NPM_BIN / args.client).is_file():
         raise SystemExit(f"agent_turn.py: {NPM_BIN / args.client} is not installed: bash scripts/install_agents.sh")
     out = args.out or Path(tempfile.mkdtemp(prefix=f"agent-turn-{args.client}-"))
@@ -166,9 +175,9 @@ def main() -> None:
         cmd, env = client_command(args.client, url, args.prompt, work, home)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "OPENCODE",
                                                                          "CLAUDE_"))}
-        summary.update(command=" ".join(cmd), load_before=os.getloadavg())
+        summary.update(command=" ".join(cmd), env=extra_env, load_before=os.getloadavg())
         t0 = time.monotonic()
-        lines = run_client(cmd, work, {**base, **env}, args.timeout, t0)
+        lines = run_client(cmd, work, {**base, **env, **extra_env}, args.timeout, t0)
         summary.update(exit=lines.pop(), transcript=lines)
         summary.update(wall_s=round(time.monotonic() - t0, 1), load_after=os.getloadavg())
         m = metrics(url)

@@ -1,5 +1,5 @@
 """The dflash-serve command: one-line usage errors, a taken port, the loopback warning, SIGTERM / SIGINT with a
-stream open and a request queued, --lookup."""
+stream open and a request queued, --lookup, --keepalive."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ SERVE = [sys.executable, "-m", "dflash_gguf.server.cli"]
     (["--threads", "0"], "argument --threads: must be None"),
     (["--block-size", "0"], "argument --block-size: must be None"),
     (["--bogus"], "unrecognized arguments"),
+    (["--keepalive", "0"], "--keepalive must be a number of seconds > 0, got 0.0"),
+    (["--keepalive", "-5"], "--keepalive must be a number of seconds > 0"),
+    (["--keepalive", "nan"], "--keepalive must be a number of seconds > 0, got nan"),
+    (["--keepalive", "inf"], "--keepalive must be a number of seconds > 0, got inf"),
+    (["--keepalive", "soon"], "argument --keepalive: invalid float value: 'soon'"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:
@@ -37,6 +42,15 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, fragment, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_keepalive_reaches_the_servers_settings():
+    """--keepalive SECONDS is the app's keepalive_s (what every stream's heartbeat waits); 15 s without it."""
+    from dflash_gguf.config import GenerationConfig
+    from dflash_gguf.server.cli import _parser, server_config
+
+    assert server_config(_parser().parse_args([]), GenerationConfig()).keepalive_s == 15.0
+    assert server_config(_parser().parse_args(["--keepalive", "2.5"]), GenerationConfig()).keepalive_s == 2.5
 
 
 def test_a_taken_port_is_one_line(capsys):
@@ -174,3 +188,34 @@ def test_slots_share_a_context_where_the_target_is_offloaded_or_when_told():
     assert decide("--parallel", "4", "--batch-slots")
     assert not decide("--parallel", "4", "--no-batch-slots", gpu_layers=-1)
     assert not decide("--parallel", "1", "--batch-slots")  # one slot: nothing to share
+
+
+@pytest.mark.slow  # dflash-serve in a fresh process, a long stream and a queued one
+def test_a_queued_stream_gets_keep_alives_at_the_keepalive_flags_interval():
+    """dflash-serve --keepalive 0.2: an Anthropic stream queued behind a long reply gets message_start and then
+    `event: ping` every 0.2 s while it waits: three within a 10 s read timeout, which the default 15 s could not
+    give."""
+    port = _free_port()
+    proc = subprocess.Popen(SERVE + ["--port", str(port), "--log-level", "warning", "--keepalive", "0.2"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "DFLASH_API_KEY": ""})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_up(proc, url, 60)
+        # the grammar leaves no end of text before 1500 characters: the slot stays busy while the second waits
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000,
+                "temperature": 0.7, "stream": True, "grammar": "root ::= [a-z ,.]{1500,}"}
+        queued = {"model": "m", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as first:
+            data = (line for line in first.iter_lines() if line.startswith("data: "))
+            next(data), next(data)  # the role chunk, then a token: the slot is generating
+            with httpx.stream("POST", url + "/v1/messages", json=queued, timeout=10) as r:
+                events = (line for line in r.iter_lines() if line.startswith("event: "))
+                seen = [next(events)]
+                while seen.count("event: ping") < 3:
+                    seen.append(next(events))
+                depth = httpx.get(url + "/health", timeout=5).json()["queue_depth"]
+        assert seen[0] == "event: message_start" and "event: content_block_delta" not in seen, seen
+        assert depth == 1  # the pings came while it was queued
+    finally:
+        proc.kill()
+        proc.wait()

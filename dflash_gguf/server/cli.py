@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import socket
 import sys
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from ..cli_parser import DRAFTER_HELP, EXIT_BAD_INPUT, OneLineParser
 from ..config import (KV_CACHE_SETTINGS, PROMPT_CACHE_SETTINGS, CacheOptions, GenerationConfig, SessionOptions,
                       add_arguments, from_arguments)
-from .config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig, default_cache_ram,
+from .config import (DEFAULT_KEEPALIVE_S, DEFAULT_MAX_TOKENS, DEFAULT_MODEL_ALIAS, LOOPBACK_HOSTS, ServerConfig, default_cache_ram,
                      default_max_body, machine_memory)
 
 if TYPE_CHECKING:
@@ -59,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                         "does with one model); --no-accept-any-model: any other name is a 404")
     p.add_argument("--max-body-bytes", type=int, default=default_max_body(memory),
                    help="request body limit (default: a thousandth of this machine's memory, 16-256 MiB: %(default)s)")
+    p.add_argument("--keepalive", type=float, default=DEFAULT_KEEPALIVE_S, metavar="SECONDS",
+                   help="seconds of silence after which a stream sends its keep-alive (Anthropic ping, an SSE comment, "
+                        "Responses' in_progress): while queued, during a long prefill, while a tool call is held back "
+                        f"(default {DEFAULT_KEEPALIVE_S:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -83,8 +88,17 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[Sess
         p.error("--api-key must not be empty")
     if a.max_tokens < 0:
         p.error(f"--max-tokens must be >= 0, got {a.max_tokens}")
+    if not (math.isfinite(a.keepalive) and a.keepalive > 0):
+        p.error(f"--keepalive must be a number of seconds > 0, got {a.keepalive}")
     return (from_arguments(p, SessionOptions, a, SESSION), from_arguments(p, GenerationConfig, a, GENERATION),
             from_arguments(p, CacheOptions, a, PROMPT_CACHE_SETTINGS))
+
+
+def server_config(a: argparse.Namespace, generation: GenerationConfig) -> ServerConfig:
+    """The app's settings from the checked arguments."""
+    return ServerConfig(model_alias=a.model_alias, api_key=a.api_key, max_queue=a.queue,
+                        max_body_bytes=a.max_body_bytes, generation=generation, max_tokens=a.max_tokens or None,
+                        accept_any_model=a.accept_any_model, keepalive_s=a.keepalive, created=int(time.time()))
 
 
 def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target") -> list[str]:
@@ -104,7 +118,7 @@ def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target")
     lines = [f"{slots}; context {n_ctx} tokens per slot ({'--n-ctx' if a.n_ctx else 'the model'}; trained for {n_ctx_train}), "
              f"replies up to {a.max_tokens or 'the end of the context'} tokens unless a request says, prompt cache "
              f"{_mib(cache.cache_ram)} in RAM{'' if cache.cache_dir is None else f' + {cache.cache_dir}'}, "
-             f"request bodies up to {_mib(a.max_body_bytes)}, "
+             f"request bodies up to {_mib(a.max_body_bytes)}, a stream's keep-alive after {a.keepalive:g} s of silence, "
              f"{'any model name answered' if a.accept_any_model else f'only model {a.model_alias!r} answered'}"]
     if n_ctx_train > 0 and n_ctx > n_ctx_train:
         lines.append(f"warning: --n-ctx {n_ctx} is past the {n_ctx_train} tokens the model was trained for: "
@@ -208,11 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
         return 130
     try:
-        config = ServerConfig(model_alias=a.model_alias, api_key=a.api_key, max_queue=a.queue,
-                              max_body_bytes=a.max_body_bytes, generation=generation,
-                              max_tokens=a.max_tokens or None, accept_any_model=a.accept_any_model,
-                              created=int(time.time()))
-        app = create_app(sessions, config)
+        app = create_app(sessions, server_config(a, generation))
         host, port = sock.getsockname()[:2]
         target = sessions[0].target
         for line in _said_at_start(a, cache, target):

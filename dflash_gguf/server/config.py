@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ DEFAULT_MODEL_ALIAS = "dflash"
 # a reply's length when the request names none (Codex sends no max_output_tokens): a turn ends even where a
 # model loops, and a request may ask for more, up to what the context has left
 DEFAULT_MAX_TOKENS = 8192
+# seconds of silence after which a stream sends its keep-alive (--keepalive): well inside any client's idle limit
+DEFAULT_KEEPALIVE_S = 15.0
 MiB = 1 << 20
 
 
@@ -52,7 +55,7 @@ class ServerConfig:
     created: int = 0  # the model's `created` in /v1/models
     # seconds of silence after which a stream sends its keep-alive (Anthropic `ping`, an SSE comment, Responses'
     # in_progress again): while queued, during a long prefill, while a tool call is held back until it is whole
-    keepalive_s: float = 15.0
+    keepalive_s: float = DEFAULT_KEEPALIVE_S
 
     def __post_init__(self) -> None:
         if not self.model_alias:
@@ -63,7 +66,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if not self.keepalive_s > 0:
-            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
+        if not (math.isfinite(self.keepalive_s) and self.keepalive_s > 0):
+            raise ValueError(f"keepalive_s must be a finite number > 0, got {self.keepalive_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
