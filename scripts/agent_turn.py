@@ -82,6 +82,16 @@ def start_server(target: Path, n_ctx: int, port: int, log: Path,
             time.sleep(0.5)
 
 
+def stop_server(server: subprocess.Popen, grace_s: float = 120) -> None:
+    """SIGTERM (the server finishes its streams and closes its cache), then a kill after grace_s."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def client_command(client: str, url: str, prompt: str, work: Path, home: Path) -> tuple[list[str], dict[str, str]]:
     """The client's command line and environment: only what points it at the server (and no telemetry)."""
     env = {"PWD": str(work), "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
@@ -186,12 +196,7 @@ def main() -> None:
             "dflash_prompt_tokens", "dflash_completion_tokens", "dflash_generation_seconds", "dflash_requests_cancelled",
             "dflash_time_to_first_token_seconds_sum", "dflash_time_to_first_token_seconds_count", "dflash_prompt_cache_lookups", "dflash_prompt_cache_restore", "dflash_requests_rejected", "dflash_queue_seconds"))}
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     (out / "transcript.json").write_text(json.dumps(summary.pop("transcript", []), indent=0) + "\n")
     log = (out / "serve.log").read_text()
     summary["server_log_tracebacks"] = log.count("Traceback")

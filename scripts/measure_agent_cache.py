@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agent_turn import KEY, ROOT, free_port, start_server, tool_target  # noqa: E402  (the recipe's server)
+from agent_turn import KEY, ROOT, free_port, start_server, stop_server, tool_target  # noqa: E402  (the recipe's server)
 
 RECORDED = ROOT / "tests" / "agent_requests"
 DEFAULT_REQUESTS = ["claude-code-2.1.197-turn.json", "codex-0.171.0-turn.json"]
@@ -89,15 +87,6 @@ def send(url: str, path: str, headers: dict[str, str], body: dict[str, Any]) -> 
     return out
 
 
-def stop(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(120)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-
-
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -141,12 +130,12 @@ def main() -> None:
         round_("ram", args.requests)
         round_("live", args.requests[-1:])
     finally:
-        stop(server)
+        stop_server(server)
     server, _ = start_server(target, args.n_ctx, port, out / "serve-2.log", extra)
     try:
         round_("disk", args.requests)
     finally:
-        stop(server)
+        stop_server(server)
     summary["load_after"] = load()
     summary["server_start_line"] = next((line for line in (out / "serve-1.log").read_text().splitlines()
                                          if "prompt cache" in line), None)
