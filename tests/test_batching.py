@@ -90,6 +90,7 @@ def test_replies_at_once_are_the_replies_alone(shared, alone, speculative):
     assert [shared[i].committed_tokens[: len(follow[i])] for i in range(len(PROMPTS))] == follow
 
 
+@pytest.mark.slow  # 17 s: the fast tier keeps under 5 minutes
 def test_the_drafter_drafts_for_every_sequence_in_one_pass(shared, alone):
     """Fixed blocks (every cycle drafts, whatever the batch pricing says): the sequences' blocks and feature
     injections go out together, and each sequence's drafts are what it drafts alone: the same replies and the

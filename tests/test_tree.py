@@ -381,6 +381,7 @@ def _price_with(session: Session, seconds: dict[int, float], draft_s: float) -> 
     session._speculation.costs = None  # the next generation's policy takes the controller's
 
 
+@pytest.mark.slow  # 25 s: the fast tier keeps under 5 minutes
 def test_the_controller_turns_trees_on_under_a_gpu_curve_and_leaves_them_off_under_this_cpus(llama):
     """The embedded pair, adaptive, trees of up to 16 rows. Priced with a published GPU curve (llama.cpp PR 5625,
     34B Q8_0: 8 rows cost 1.7 single steps) the controller verifies trees in many cycles; priced with a curve of

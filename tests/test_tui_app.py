@@ -488,6 +488,7 @@ def test_second_turn_reuses_the_first_from_the_cache_and_up_recalls_prompts(sess
     run_app(app, scenario)
 
 
+@pytest.mark.slow  # 15 s: the fast tier keeps under 5 minutes
 def test_a_reply_one_chat_stores_is_a_disk_hit_in_the_next_and_the_panel_shows_it(dflash_gguf_path, tmp_path) -> None:
     """--cache-dir: the first chat (its Session in a worker process, the cache opened there) misses and stores;
     a second chat on a fresh Session and the same directory restores the same prompt from disk, and the panel

@@ -34,7 +34,8 @@ def session(tool_targets):
         yield s
 
 
-@pytest.mark.parametrize("where", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 15 s a worker: the fast tier keeps under 5 minutes
+@pytest.mark.parametrize("where", ["thread", "process"])
 def test_calls_are_shown_as_calls_and_the_next_line_is_their_result(session, tool_targets, where):
     options = ChatOptions(generation=GenerationConfig(max_tokens=48, temperature=0.0), tools=(WEATHER,),
                           tool_choice="required")
