@@ -55,8 +55,11 @@ def main() -> None:
     if a.parallel < 1 or a.n_ctx < len(PROMPT) + 1 or a.threads < 1 or a.repeats < 1:
         p.error("--parallel, --threads and --repeats must be >= 1 and --n-ctx must hold the prompt")
     path = a.target or defaults.embedded_target()
-    target = Target.open(path, n_ctx=a.parallel * a.n_ctx, n_batch=a.n_batch, n_seq_max=a.parallel,
-                         n_threads=a.threads)
+    try:
+        target = Target.open(path, n_ctx=a.parallel * a.n_ctx, n_batch=a.n_batch, n_seq_max=a.parallel,
+                             n_threads=a.threads)
+    except (OSError, ValueError) as e:  # no such file, not a GGUF libllama loads, a context it cannot make
+        p.error(str(e))
     try:
         if not a.no_capture:
             target.capture(CAPTURED_LAYERS)

@@ -3,8 +3,8 @@
 Opens the target the way `dflash-serve --parallel P --n-ctx N` does, both ways: P contexts of N cells (one per
 slot, the per-slot server) and one context of P x N cells with a KV stream per sequence (`--batch-slots`),
 and reads the buffers libllama says it allocated (KV, compute, output). Then it decodes --tokens tokens into
-one sequence of each and reads llama_state_seq_get_size: the bytes a slot's state takes (what the prompt
-cache stores), which the layout must not change.
+one sequence of each and saves its state (Target.save_sequence): the bytes a slot's state takes (what the
+prompt cache stores), which the layout must not change.
 
     python scripts/measure_slot_memory.py --parallel 8 --n-ctx 1024
 """
@@ -18,7 +18,6 @@ import re
 import sys
 from pathlib import Path
 
-import llama_cpp.llama_cpp as capi
 from llama_cpp._logger import set_verbose
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,12 +40,12 @@ def opened(path: Path, **settings: object) -> tuple[Target, dict[str, float]]:
 
 
 def state_bytes(target: Target, seq: int, n_tokens: int) -> int:
-    """llama_state_seq_get_size of sequence `seq` after n_tokens tokens decoded into it."""
+    """The bytes of sequence `seq`'s saved state after n_tokens tokens decoded into it."""
     tokens = [(i * 7919) % 1000 + 100 for i in range(n_tokens)]
     for start in range(0, n_tokens, target.n_batch):
         chunk = tokens[start : start + target.n_batch]
         target.decode(chunk, start, seq_ids=seq, logits=False)
-    return int(capi.llama_state_seq_get_size(target.ctx, seq))
+    return len(target.save_sequence(seq))
 
 
 def main() -> int:

@@ -70,9 +70,7 @@ class SlotPool:
         if not sessions:
             raise ValueError("the pool needs at least one Session")
         self.slots = [Slot(i, s) for i, s in enumerate(sessions)]
-        # where the slots are sequences of one context, each one's sequence id: libllama decodes such a batch
-        # in one pass per run of consecutive ids (a KV stream per sequence), so sequences 0, 1, 2 decode in one
-        # pass and 0, 2, 5 in three; a request takes a free slot that keeps the busy ids in few runs
+        # each slot's sequence id where the slots are sequences of one context (the module says why it matters)
         targets = [s.target for s in sessions]
         self._seq = ({slot.id: t.seq_id for slot, t in zip(self.slots, targets)}
                      if all(isinstance(t, SequenceTarget) for t in targets) else None)
