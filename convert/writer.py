@@ -7,10 +7,10 @@ tests/test_convert_conformance.py), so that llama.cpp's `src/models/dflash.cpp` 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
-import signal
-import tempfile
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -150,12 +150,6 @@ def _prepare(name: str, data: np.ndarray, cfg: DraftConfig) -> np.ndarray:
     return data
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def input_paths(ckpt: Checkpoint, target: TargetInfo | None) -> list[Path]:
     """Every file a conversion reads: config.json, the shard index, each safetensors shard, the target GGUF."""
     paths = [ckpt.config_path, ckpt.source, ckpt.config_path.parent / SHARD_INDEX]
@@ -198,41 +192,21 @@ def atomic_output(out: Path, *, force: bool, inputs: Sequence[Path] = ()) -> Ite
         raise ConversionError(f"{out}: output exists (pass --force to overwrite)")
     if not out.parent.is_dir():
         raise ConversionError(f"{out}: output directory {out.parent} does not exist")
-    # a signal that lands between mkstemp creating the file and `tmp` being known would leave the file behind:
-    # the signals that unwind a conversion are held until the cleanup below is armed
-    held = _hold_signals()
-    tmp: Path | None = None
+    # the name is chosen before the file exists, so whatever unwinds the body (an error, Ctrl-C, or the
+    # SIGTERM / SIGHUP the CLI turns into an exception: Python runs those handlers in the main thread between any two
+    # bytecodes, even while another thread has the signal delivered) finds it to remove; masking signals cannot
+    # promise that once numpy's BLAS threads exist
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp"
     try:
         try:
-            fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as for any output
         except OSError as e:
             raise ConversionError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
-        tmp = Path(tmp_name)
-        os.close(fd)
-        _release_signals(held)  # a pending signal unwinds from here, through the finally
-        held = None
         yield tmp
-        tmp.chmod(0o666 & ~_umask())  # mkstemp makes it private; the output gets the usual permissions
         os.replace(tmp, out)
     finally:
-        _release_signals(held)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-
-
-_UNWINDING_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-def _hold_signals() -> set[signal.Signals] | None:
-    """Block SIGINT / SIGTERM / SIGHUP for this thread; the previous mask (None where signals cannot be masked)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _UNWINDING_SIGNALS)
-
-
-def _release_signals(previous: set[signal.Signals] | None) -> None:
-    if previous is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        with contextlib.suppress(OSError):  # gone once renamed; never made where the folder refused it
+            tmp.unlink()
 
 
 def write_drafter_gguf(

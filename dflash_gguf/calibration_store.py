@@ -14,13 +14,14 @@ Where: $DFLASH_CALIBRATION_DIR, else $XDG_CACHE_HOME/dflash-gguf/calibration, el
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
+import secrets
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -136,19 +137,18 @@ def save(key: Mapping[str, Any], costs: CostModel) -> Path | None:
     body = {"key": key, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "costs": {"target": costs.target.points(), "draft": costs.draft.points(),
                       "rollback": costs.rollback.points() if costs.rollback is not None else None}}
-    tmp: str | None = None
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(6)}.tmp")  # named first: any unwinding removes it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=".", suffix=".tmp",
-                                         delete=False) as f:
-            tmp = f.name
+        with open(tmp, "x", encoding="utf-8") as f:
             json.dump(body, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("calibration: cannot save to %s (%s); the next start measures again", path, e)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         return None
+    finally:
+        with contextlib.suppress(OSError):  # gone once renamed; never made where the folder cannot be
+            tmp.unlink()
     _prune(path.parent)
     log.info("calibration: saved to %s", path)
     return path
