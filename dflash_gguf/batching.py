@@ -25,6 +25,13 @@ The rules that keep each sequence's outputs valid:
   would leave it out and cost it (and everyone) a decode of its own; one that does not come back in time is
   no longer waited for;
 - every C call on the shared context (decode, KV truncation, state save and load) is made under one lock.
+
+Every batch is decoded by one thread of the context's own, the *decoder*, never by the slot threads that hand
+rows over. ggml's CPU backend runs a graph as an OpenMP parallel region, and its barriers between operations are
+OpenMP barriers: each thread that has ever decoded keeps its own team of OpenMP workers alive, and once those
+outnumber the CPUs libgomp stops spinning at barriers and sleeps on a futex at each of the graph's hundreds.
+Decoded by whichever of eight slot threads came last, an 8-row batch took 58-70 ms and a 2-row one 70 ms
+against 41 and 15 ms decoded from one thread (docs/DESIGN.md, "One thread decodes").
 """
 
 from __future__ import annotations
@@ -135,12 +142,15 @@ class SharedContext:
         self.drafter_context: Any = None  # the drafter context its sequences share (drafter.SharedDraftContext)
         self.mtp_context: Any = None  # the MTP context its sequences share (mtp._HeadsContext)
         self.setup = threading.Lock()  # held while a sequence finds or makes a context its sequences share
+        self._stopping = False
+        self._decoder = threading.Thread(target=self._decode_batches, name="dflash-decoder", daemon=True)
         self.last: BatchRecord | None = None
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
         self.shared_batches = 0  # those that held rows of two sequences or more
         self.decode_s = 0.0  # their seconds in llama_decode
         self.shared_passes: dict[Stage, int] = {stage: 0 for stage in Stage}  # passes of each stage with 2+ sequences
+        self._decoder.start()
 
     # -- sequences -------------------------------------------------------------------------
     def sequence(self) -> "SequenceTarget":
@@ -178,8 +188,10 @@ class SharedContext:
                 self._free.append(seq)
                 self._free.sort()
             last = not self._open
+            self._stopping = last
             self._changed.notify_all()
         if last:
+            self._decoder.join()
             self.owner.close()
 
     @property
@@ -216,8 +228,8 @@ class SharedContext:
         return req.row, req.out
 
     def submit(self, seq: int, stage: Stage, n: int, n_outputs: int, payload: Any) -> Request:
-        """Hand over one sequence's rows for a stage and wait until they are decoded with the others' (the
-        caller's thread may be the one that decodes them); raises what the decode raised."""
+        """Hand over one sequence's rows for a stage and wait until the decoder has decoded them with the
+        others'; raises what the decode raised."""
         req = Request(seq, stage, n, n_outputs, payload)
         with self._changed:
             if stage not in self._stages:
@@ -228,14 +240,23 @@ class SharedContext:
                 self._handed.add(seq)
             self._changed.notify_all()
             while not req.done:
-                stage_now, wait = self._next()
-                if wait == 0.0:
-                    self._flush(stage_now)
-                else:
-                    self._changed.wait(wait)
+                self._changed.wait()
         if req.error is not None:
             raise req.error
         return req
+
+    def _decode_batches(self) -> None:
+        """The decoder thread: each batch as soon as `_next` lets it go, until the last sequence closes."""
+        with self._changed:
+            while not self._stopping:
+                stage, wait = self._next()
+                if wait == 0.0:
+                    self._flush(stage)
+                else:
+                    self._changed.wait(wait)
+            for r in self._pending:  # none can be left (its sequence would be open), but never leave a caller waiting
+                r.error, r.done = ClosedError("the shared context is closed"), True
+            self._changed.notify_all()
 
     def _next(self) -> tuple[Stage | None, float | None]:
         """The stage whose batch should go now and 0; else (None, how long to wait before looking again,
