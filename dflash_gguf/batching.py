@@ -72,6 +72,44 @@ class BatchRecord:
     seconds: float
 
 
+class PassCosts:
+    """What one more pass of a batch costs against one more row, fitted to the shared context's own batches
+    of equal runs: seconds ~ a * passes + b * rows, least squares over recent batches (each weighs
+    DECAY times the next one's). A pass is a graph run (its fixed cost: launching, weights streamed once, on a
+    GPU nearly everything); a row is what the rows add (on this CPU most of it: 16 rows cost 11.5 steps)."""
+
+    DECAY = 0.98
+
+    def __init__(self) -> None:
+        self._xx = np.zeros((2, 2))
+        self._xy = np.zeros(2)
+
+    def observe(self, taken: list[Request], fillers: list[Request], seconds: float) -> None:
+        n = taken[0].n
+        if any(r.n != n for r in taken):
+            return  # cut by run length as well: its passes are not counted here
+        ids = sorted([r.seq for r in taken] + [f.seq for f in fillers])
+        x = np.array([1.0 + sum(b != a + 1 for a, b in zip(ids, ids[1:])), float(n * len(ids))])
+        self._xx = self.DECAY * self._xx + np.outer(x, x)
+        self._xy = self.DECAY * self._xy + x * seconds
+
+    def per_pass_and_row(self) -> tuple[float, float] | None:
+        """(a, b) in seconds, None until the batches seen tell them apart (one size only, or a negative fit)."""
+        if abs(np.linalg.det(self._xx)) < 1e-9 * max(1.0, float(np.trace(self._xx))) ** 2:
+            return None
+        a, b = np.linalg.solve(self._xx, self._xy)
+        return (float(a), float(b)) if a > 0 and b >= 0 else None
+
+    def fill_pays(self, rows: int) -> bool:
+        """Whether `rows` more rows cost less than the pass they save; before a fit, where they are one row
+        per pass saved (on this CPU a pass costs ~1.5 rows, on a GPU many)."""
+        fit = self.per_pass_and_row()
+        if fit is None:
+            return rows <= 1
+        a, b = fit
+        return rows * b < a
+
+
 class Stage(enum.IntEnum):
     """What a gathered request decodes, in the order a cycle needs them: when every busy sequence has handed
     something over, the earliest stage goes first, so that the sequences drafting this cycle reach the target
@@ -148,6 +186,8 @@ class SharedContext:
         self.batches = 0  # decodes so far
         self.batched_rows = 0  # their rows
         self.shared_batches = 0  # those that held rows of two sequences or more
+        self.filler_rows = 0  # rows decoded only to join runs of sequence ids into one pass (_fillers)
+        self.passes = PassCosts()
         self.decode_s = 0.0  # their seconds in llama_decode
         self.shared_passes: dict[Stage, int] = {stage: 0 for stage in Stage}  # passes of each stage with 2+ sequences
         self._decoder.start()
@@ -301,11 +341,20 @@ class SharedContext:
         self._changed.notify_all()
 
     def _decode_target(self, taken: list[Request]) -> None:
-        """The target stage: one llama_decode of every request's staged rows."""
+        """The target stage: one llama_decode of every request's staged rows, and of the filler rows that join
+        their runs of sequence ids where that pays (`_fillers`)."""
         owner = self.owner
+        fillers = self._fillers(taken)
         out = 0
         row = 0
-        for r in taken:
+        for r in sorted([*taken, *fillers], key=lambda r: r.seq):
+            if r.payload is None:  # a filler: n rows of a sequence not in the batch, past its cells, no outputs
+                owner._tok[row : row + r.n] = 0
+                owner._pos[row : row + r.n] = np.arange(r.row, r.row + r.n)
+                owner._seq[row : row + r.n, 0] = r.seq
+                owner._out[row : row + r.n] = 0
+                row += r.n
+                continue
             v: SequenceTarget = r.payload
             owner._tok[row : row + r.n] = v._tok[: r.n]
             owner._pos[row : row + r.n] = v._pos[: r.n]
@@ -327,11 +376,49 @@ class SharedContext:
                                    "<-1: fatal)")
             settle_outputs(owner.ctx)
         finally:
-            self.last = BatchRecord(len(taken), rows, time.perf_counter() - t0)
-            self.decode_s += self.last.seconds
+            seconds = time.perf_counter() - t0
+            memory = capi.llama_get_memory(owner.ctx) if not owner.closed else None
+            for f in fillers:  # their cells go at once: the sequence holds what it held, in the cells it held
+                if memory is not None:
+                    capi.llama_memory_seq_rm(memory, f.seq, f.row, -1)
+            self.passes.observe(taken, fillers, seconds)
+            self.last = BatchRecord(len(taken), rows, seconds)
+            self.decode_s += seconds
             self.batches += 1
             self.batched_rows += rows
+            self.filler_rows += sum(f.n for f in fillers)
             self.shared_batches += len(taken) > 1
+
+    def _fillers(self, taken: list[Request]) -> list[Request]:
+        """Rows for the sequences missing between the batch's runs of consecutive ids, where a pass saved is
+        worth more than the rows added (`PassCosts`).
+
+        libllama decodes a batch of a context with a stream per sequence as one pass per run of consecutive
+        sequence ids (llama_batch_allocr::split_equal), so sequences 2, 5, 6, 7 cost two passes. A filler is n
+        rows of a sequence in the gap, at the positions after its cells, that decode nothing anyone reads and
+        are removed right after: 2, 3, 4, 5, 6, 7 in one pass. Only where every request has the same n (a
+        batch of unequal runs is cut by run length anyway) and never on a recurrent target (a row moves its
+        state, which removing cells does not undo)."""
+        n = taken[0].n
+        if len(taken) < 2 or self.owner.recurrent or any(r.n != n for r in taken):
+            return []
+        memory = capi.llama_get_memory(self.owner.ctx)
+        ids = sorted(r.seq for r in taken)
+        fillers: list[Request] = []
+        rows = n * len(taken)
+        for a, b in zip(ids, ids[1:]):
+            gap = range(a + 1, b)
+            if not gap or rows + len(gap) * n > self.owner.n_batch or not self.passes.fill_pays(len(gap) * n):
+                continue
+            ends = [capi.llama_memory_seq_pos_max(memory, g) + 1 for g in gap]
+            if max(ends) + n > self.owner.n_ctx_seq:
+                continue  # a full sequence has no cell to lend
+            for g, end in zip(gap, ends):
+                f = Request(g, Stage.TARGET, n, 0, None)
+                f.row = end  # a filler's first position
+                fillers.append(f)
+            rows += len(gap) * n
+        return fillers
 
     def _joins(self, taken: list[Request], r: Request) -> bool:
         """Whether target rows can join the batch: they fit, and neither they nor the batch are a run of

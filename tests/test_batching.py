@@ -215,6 +215,70 @@ def test_a_batch_waits_for_a_generation_between_two_of_its_cycles(embedded_targe
             v.close()
 
 
+def test_a_gap_between_busy_sequences_is_filled_and_leaves_no_trace(embedded_target):
+    """libllama cuts a batch of sequences 0 and 2 into two passes; a filler row for sequence 1 joins them into
+    one. Each sequence's logits are still bit for bit what a context of its own gives, and sequence 1 holds
+    exactly what it held (its next row too is what it is alone). A gap that costs more rows than the pass it
+    saves (by the shared context's own fit of its batches) stays open."""
+    import numpy as np
+
+    from dflash_gguf.target import Target
+
+    prompts = [[1, 22, 333, 4444], [5, 66, 777, 888, 99], [10, 11, 12]]
+    nxt = [[50], [51], [52]]
+
+    def alone(i: int) -> tuple[np.ndarray, np.ndarray]:
+        with Target.open(embedded_target, n_ctx=512) as t:
+            t.decode(prompts[i], 0)
+            t.decode(nxt[i], len(prompts[i]), logits=True)
+            first = np.array(t.output_logits()[-1])
+            t.decode([60], len(prompts[i]) + 1, logits=True)
+            return first, np.array(t.output_logits()[-1])
+
+    owner = Target.open(embedded_target, n_ctx=3 * 512, n_seq_max=3, kv_unified=False)
+    context = SharedContext(owner, max_wait_s=60.0)
+    views = [context.sequence() for _ in prompts]
+    memory = llama_cpp.llama_get_memory(owner.ctx)
+    try:
+        for v, p in zip(views, prompts):
+            v.decode(p, 0)
+        start = threading.Barrier(2)
+        got = {}
+
+        def step(i: int) -> None:
+            with views[i].cycle():
+                start.wait()
+                views[i].decode(nxt[i], len(prompts[i]), logits=True)
+                got[i] = np.array(views[i].output_logits()[-1])
+            views[i].remove(0, len(prompts[i]), -1)  # back to its prompt, for the next round
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in (0, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(got) == [0, 2] and context.last.sequences == 2 and context.filler_rows == 1  # 0, [1], 2: one pass
+        assert llama_cpp.llama_memory_seq_pos_max(memory, 1) == len(prompts[1]) - 1  # the filler is gone
+        for i in (0, 2):
+            assert np.array_equal(got[i], alone(i)[0]), i
+        views[1].decode(nxt[1], len(prompts[1]), logits=True)
+        views[1].decode([60], len(prompts[1]) + 1, logits=True)
+        assert np.array_equal(np.array(views[1].output_logits()[-1]), alone(1)[1])
+
+        context.passes._xx, context.passes._xy = np.eye(2), np.array([0.001, 0.01])  # a row dearer than a pass
+        assert not context.passes.fill_pays(1)
+        filled = context.filler_rows
+        got.clear()
+        for t in (threads := [threading.Thread(target=step, args=(i,)) for i in (0, 2)]):
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(got) == [0, 2] and context.last.sequences == 2 and context.filler_rows == filled  # two passes
+    finally:
+        for v in views:
+            v.close()
+
+
 def test_a_request_takes_a_slot_next_to_the_busy_sequences(shared):
     """libllama decodes a batch of a shared context in one pass per run of consecutive sequence ids: a request
     with no home takes a free slot next to the busy ones, a gap first, where the least recently used slot
