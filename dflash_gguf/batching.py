@@ -135,7 +135,7 @@ class Request:
         self.t = time.monotonic()
         self.row = self.out = 0  # the first batch row and first output row that are this request's
         self.error: BaseException | None = None
-        self.done = False
+        self.done = threading.Event()  # set by the decoder: only this request's thread wakes
 
 
 Runner = Callable[[list[Request]], None]  # decodes the requests of one stage at once (the gather's lock held)
@@ -229,7 +229,7 @@ class SharedContext:
                 self._free.sort()
             last = not self._open
             self._stopping = last
-            self._changed.notify_all()
+            self._changed.notify()
         if last:
             self._decoder.join()
             self.owner.close()
@@ -259,7 +259,7 @@ class SharedContext:
                 self._expected[seq] = time.monotonic()
             for readers in self._readers.values():
                 readers.discard(seq)
-            self._changed.notify_all()
+            self._changed.notify()
 
     def decode(self, view: "SequenceTarget", n: int, n_outputs: int) -> tuple[int, int]:
         """Decode the n rows staged in `view`'s batch buffers together with whatever else is gathered; returns
@@ -278,9 +278,8 @@ class SharedContext:
             self._expected.pop(seq, None)  # back (a decode outside a cycle too)
             if seq in self._busy:
                 self._handed.add(seq)
-            self._changed.notify_all()
-            while not req.done:
-                self._changed.wait()
+            self._changed.notify()  # the decoder; the other callers wait on their own requests
+        req.done.wait()
         if req.error is not None:
             raise req.error
         return req
@@ -295,8 +294,8 @@ class SharedContext:
                 else:
                     self._changed.wait(wait)
             for r in self._pending:  # none can be left (its sequence would be open), but never leave a caller waiting
-                r.error, r.done = ClosedError("the shared context is closed"), True
-            self._changed.notify_all()
+                r.error = ClosedError("the shared context is closed")
+                r.done.set()
 
     def _next(self) -> tuple[Stage | None, float | None]:
         """The stage whose batch should go now and 0; else (None, how long to wait before looking again,
@@ -337,8 +336,7 @@ class SharedContext:
                 r.error = e
         self._readers[_CONTEXT[stage]] = {r.seq for r in taken if r.seq in self._busy and r.error is None}
         for r in taken:
-            r.done = True
-        self._changed.notify_all()
+            r.done.set()
 
     def _decode_target(self, taken: list[Request]) -> None:
         """The target stage: one llama_decode of every request's staged rows, and of the filler rows that join
