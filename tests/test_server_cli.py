@@ -175,18 +175,20 @@ def test_parallel_slots_are_sequences_of_one_context_and_answer_as_alone():
             proc.wait()
 
 
-def test_slots_share_a_context_where_the_target_is_offloaded_or_when_told():
-    """The default follows the measurement: on the CPU a context per slot decodes faster, offloaded a shared one."""
+def test_slots_share_a_context_unless_each_would_run_one_cpu_thread():
+    """The default follows the measurement: contexts side by side win only where each runs ggml on one CPU thread
+    (no barriers, the other cores used); on several threads, or offloaded, the slots share one context."""
     from dflash_gguf.config import SessionOptions
     from dflash_gguf.server.cli import _parser, batched
 
-    def decide(*argv, gpu_layers=0):
-        return batched(_parser().parse_args(list(argv)), SessionOptions(n_gpu_layers=gpu_layers))
+    def decide(*argv, gpu_layers=0, threads=None):
+        return batched(_parser().parse_args(list(argv)), SessionOptions(n_gpu_layers=gpu_layers, n_threads=threads))
 
-    assert not decide("--parallel", "4")
-    assert decide("--parallel", "4", gpu_layers=-1)
-    assert decide("--parallel", "4", "--batch-slots")
-    assert not decide("--parallel", "4", "--no-batch-slots", gpu_layers=-1)
+    assert decide("--parallel", "4", threads=2)
+    assert not decide("--parallel", "4", threads=1)
+    assert decide("--parallel", "4", gpu_layers=-1, threads=1)
+    assert decide("--parallel", "4", "--batch-slots", threads=1)
+    assert not decide("--parallel", "4", "--no-batch-slots", gpu_layers=-1, threads=4)
     assert not decide("--parallel", "1", "--batch-slots")  # one slot: nothing to share
 
 

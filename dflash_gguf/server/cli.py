@@ -41,9 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require this key (Bearer or x-api-key); default: $DFLASH_API_KEY if set")
     p.add_argument("--parallel", type=int, default=1, help="slots: generations that run at once (default 1)")
     p.add_argument("--batch-slots", action=argparse.BooleanOptionalAction, default=None,
-                   help="the slots are sequences of one target context, their decodes batched (default: where the "
-                        "target's layers are offloaded to a GPU; on the CPU a context per slot decodes faster: "
-                        "docs/SERVER.md)")
+                   help="the slots are sequences of one target context, their decodes batched (default: yes, "
+                        "unless the target runs on the CPU on one thread, where a context per slot uses the other "
+                        "cores: docs/SERVER.md)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; more get 429 (default 16)")
     memory = machine_memory()
     # per slot; the context defaults to the model's trained context (agents' prompts are 7-30k tokens)
@@ -111,7 +111,7 @@ def _said_at_start(a: argparse.Namespace, cache: CacheOptions, target: "Target")
                  f"{a.parallel} x {n_ctx} = {target.shared.owner.n_ctx} cells")
     elif a.parallel > 1:
         why = ("--no-batch-slots" if a.batch_slots is False else
-               "on the CPU contexts side by side decode faster; --batch-slots to share one")
+               "one CPU thread each: side by side they use the other cores; --batch-slots to share one")
         slots = f"{a.parallel} slots, a context each ({why})"
     else:
         slots = "one slot"
@@ -158,13 +158,18 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def batched(a: argparse.Namespace, options: SessionOptions) -> bool:
-    """Whether the slots share one target context, their decodes batched (issue 37): --batch-slots, else where
-    the target's layers are offloaded. On this project's CPU a context per slot decodes side by side faster
-    (8 requests at once: 98 against 59 tok/s, docs/BENCHMARKS.md): batched rows cost nearly what separate
-    decodes cost there, and libllama cuts a batch of non-consecutive sequences into several passes."""
+    """Whether the slots share one target context, their decodes batched (issue 37): --batch-slots / --no-batch-slots,
+    else wherever a context would run more than one CPU thread or is offloaded. Contexts side by side that each
+    run ggml on several threads oversubscribe the cores and wait at every op's barrier (8 at once at --threads 2
+    here: 55 tok/s against 74 shared); on one thread each (half the cores of a 2- or 3-core machine) they use
+    the other cores with no barrier at all, which one shared context on that thread cannot (116 against 69 tok/s,
+    docs/BENCHMARKS.md "2026-12-08")."""
+    from ..target import default_threads  # libllama: loaded by then, but not for --help or a bad argument
+
     if a.batch_slots is not None:
         return a.batch_slots and a.parallel > 1
-    return a.parallel > 1 and options.n_gpu_layers != 0
+    threads = default_threads() if options.n_threads is None else options.n_threads
+    return a.parallel > 1 and (options.n_gpu_layers != 0 or threads > 1)
 
 
 def open_sessions(a: argparse.Namespace, options: SessionOptions, cache: CacheOptions | None = None) -> list:
