@@ -3,17 +3,18 @@
 Opens the target as `dflash-serve --parallel P --batch-slots` opens its shared context (P sequences, a KV stream
 of --n-ctx cells each, flash attention as the default, the drafter's layer inputs captured unless
 --no-capture), prefills every sequence with the same prompt, then times decodes of one row for each of k
-sequences (k = 1 and P), each row taken back out of the cache after it is timed so every decode sees the
-same cache. Its figure, set beside the server's time per batch at the same concurrency
-(scripts/bench_batching.py), says how much of a batched server's cycle is libllama's and how much the
-server's own.
+sequences (k = 1, 2, 4, ... P, the sequences 0..k-1: one pass), each row taken back out of the cache after it is
+timed so every decode sees the same cache. Its figure, set beside the server's time per batch at the same
+concurrency (scripts/bench_batching.py), says how much of a batched server's cycle is libllama's and how much
+the server's own; --json writes the medians as a cost curve for scripts/project_batching.py.
 
-    python scripts/measure_batched_decode.py --parallel 8 --threads 2
+    python scripts/measure_batched_decode.py --parallel 8 --threads 2 [--json curve.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-capture", action="store_true", help="leave the drafter's layer inputs uncaptured")
+    p.add_argument("--json", type=Path, help="write {label, seconds: {k: median}} here (a cost curve)")
     a = p.parse_args()
     if a.parallel < 1 or a.n_ctx < len(PROMPT) + 1 or a.threads < 1 or a.repeats < 1:
         p.error("--parallel, --threads and --repeats must be >= 1 and --n-ctx must hold the prompt")
@@ -66,11 +68,17 @@ def main() -> None:
         for seq in range(a.parallel):
             target.decode(PROMPT, 0, seq)
         single = None
-        for k in sorted({1, a.parallel}):
+        curve = {}
+        for k in sorted({*(2 ** i for i in range(a.parallel.bit_length()) if 2 ** i <= a.parallel), a.parallel}):
             ms = 1000 * statistics.median(timed_decodes(target, k, len(PROMPT), a.repeats))
             single = single or ms
+            curve[k] = ms / 1000
             print(f"{k} sequence(s) x 1 row: median {ms:.1f} ms ({ms / single:.2f} single steps), "
                   f"{a.threads} thread(s), capture {'off' if a.no_capture else 'on'}")
+        if a.json:
+            label = (f"{path.name}, this machine's CPU, {a.threads} thread(s): k sequences x 1 row in one pass "
+                     f"(scripts/measure_batched_decode.py)")
+            a.json.write_text(json.dumps({"label": label, "seconds": curve}, indent=1))
     finally:
         target.close()
 
