@@ -134,3 +134,32 @@ def claude(url, request):
     from test_server import sdk_clients
 
     return sdk_clients(url, request.module.KEY)[1]
+
+
+# --- the order the workers take files in ------------------------------------------------------------
+
+
+_DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist's --dist loadfile, files go to whichever worker asks next, in collection order (not
+    re-sorted by how many tests each holds), so the order below decides how evenly the workers end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only the tests that run count
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest file first (the files' tests' recorded seconds, tests/durations.json; one not recorded there, a new one or one under 5 ms, counts 0.1 s):
+    the last file a worker takes is then a short one, and neither worker idles while the other finishes a
+    long one. Only the order of whole files changes; the tests of a file keep theirs (its fixtures too)."""
+    import json
+
+    seconds = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+    weight: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        weight[module] = weight.get(module, 0.0) + seconds.get(item.nodeid, 0.1)
+    first = {module: i for i, module in enumerate(weight)}
+    items.sort(key=lambda item: (-weight[item.nodeid.split("::", 1)[0]], first[item.nodeid.split("::", 1)[0]]))

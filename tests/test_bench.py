@@ -242,6 +242,7 @@ def test_mode_summary_counts_the_cycles_that_verified_trees() -> None:
         "tree_mean_rows"] is None
 
 
+@pytest.mark.slow  # a bench run in two modes (test_tree checks greedy trees against plain decoding quick)
 def test_the_tree_mode_runs_in_lockstep_and_reports_its_trees(tmp_path, capsys) -> None:
     """--modes tree: DFlash on a Session opened for trees, beside plain; with a fixed block every drafting cycle
     verifies a tree of --tree-nodes rows (the forced shape), its output plain decoding's."""

@@ -60,8 +60,16 @@ def plain(embedded_target):
         yield t
 
 
-@pytest.mark.parametrize("settings", GREEDY, ids=lambda d: ",".join(d))
-@pytest.mark.parametrize("which", [pytest.param("random_drafter", marks=pytest.mark.slow), "trained", "lookup"])
+def _greedy_cases() -> list:
+    """Every setting with every source. The quick tier runs the trained drafter with each setting and lookup with
+    two (a penalty, a bias); the slow tier adds the random drafter and lookup's other settings."""
+    quick = {("trained", i) for i in range(len(GREEDY))} | {("lookup", 0), ("lookup", 4)}
+    return [pytest.param(which, settings, id=f"{which}-{','.join(settings)}",
+                         marks=() if (which, i) in quick else pytest.mark.slow)
+            for which in ("random_drafter", "trained", "lookup") for i, settings in enumerate(GREEDY)]
+
+
+@pytest.mark.parametrize("which, settings", _greedy_cases())
 def test_greedy_speculative_equals_plain_with_each_setting(request, which, settings):
     s = request.getfixturevalue(which)
     drafted = accepted = 0

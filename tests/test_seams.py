@@ -167,6 +167,14 @@ def test_in_reply_speedup_of_a_plain_reply_is_one(target):
 
 @pytest.fixture
 def session(dflash_gguf_path):
+    """A Session of the test's own, for the tests that close it."""
+    with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def shared(dflash_gguf_path):
+    """One Session for the tests that leave it open and compare only replies they made on it themselves."""
     with Session(drafter=dflash_gguf_path, n_ctx=256, n_batch=64, n_threads=1) as s:
         yield s
 
@@ -208,13 +216,13 @@ def test_close_from_another_thread_waits_for_the_cycle_not_the_stream(session):
     assert list(stream) == []  # the stream ends; nothing touches the freed memory
 
 
-def test_two_threads_on_one_session_are_serialised(session):
-    want = session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens
+def test_two_threads_on_one_session_are_serialised(shared):
+    want = shared.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens
     results, errors = [], []
 
     def worker():
         try:
-            results.append(session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens)
+            results.append(shared.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -241,7 +249,7 @@ def test_wait_false_refuses_a_second_generation(dflash_gguf_path):
         assert s.generate(PROMPT, max_tokens=2).tokens  # free again once the stream is closed
 
 
-@pytest.mark.parametrize("wait", [True, False])
+@pytest.mark.parametrize("wait", [True, pytest.param(False, marks=pytest.mark.slow)])  # each its own Session
 def test_reset_from_another_thread_respects_the_running_generation(dflash_gguf_path, wait):
     """reset() clears the caches a running generation uses: it waits for that generation like another
     generation would (or refuses at once with wait=False), and the stream ends unharmed."""
@@ -304,15 +312,15 @@ def test_a_generation_cut_short_by_close_raises(dflash_gguf_path):
     assert not t.is_alive() and len(outcome) == 1
 
 
-def test_fork_shares_weights_and_keeps_its_own_caches(session):
-    want = session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens
-    with session.fork() as other:
-        assert other.target.model == session.target.model  # one loaded model
-        assert other.target.ctx != session.target.ctx
+def test_fork_shares_weights_and_keeps_its_own_caches(shared):
+    want = shared.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens
+    with shared.fork() as other:
+        assert other.target.model == shared.target.model  # one loaded model
+        assert other.target.ctx != shared.target.ctx
         assert other.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens == want
-        session.reset()
+        shared.reset()
         assert other.chat([{"role": "user", "content": "hi"}], max_tokens=4).tokens
-    assert session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens == want  # closing the fork freed only its own
+    assert shared.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).tokens == want  # closing the fork freed only its own
 
 
 def test_calibration_never_blocks_a_valid_call(dflash_gguf_path):
@@ -331,14 +339,14 @@ def test_a_drafter_block_larger_than_the_context(dflash_gguf_path):
 
 
 @pytest.mark.parametrize("bad", [{"speculative": "no"}, {"speculative": 1}, {"stop": {"a": 1}}, {"stop": [1]}])
-def test_wrongly_typed_arguments_are_refused(session, bad):
+def test_wrongly_typed_arguments_are_refused(shared, bad):
     with pytest.raises(TypeError):
-        session.generate(PROMPT, max_tokens=2, **bad)
+        shared.generate(PROMPT, max_tokens=2, **bad)
 
 
-def test_the_last_step_names_the_stop_string_that_ended_it(session):
-    text = session.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).text
+def test_the_last_step_names_the_stop_string_that_ended_it(shared):
+    text = shared.generate(PROMPT, max_tokens=N_TOKENS, block_size=4).text
     stop = text.strip().split()[2]
-    last = list(session.stream(PROMPT, max_tokens=N_TOKENS, block_size=4, stop=["\u2603", stop]))[-1]
+    last = list(shared.stream(PROMPT, max_tokens=N_TOKENS, block_size=4, stop=["\u2603", stop]))[-1]
     assert last.finish_reason == "stop" and last.stop_sequence == stop
-    assert list(session.stream(PROMPT, max_tokens=3))[-1].stop_sequence is None
+    assert list(shared.stream(PROMPT, max_tokens=3))[-1].stop_sequence is None

@@ -164,6 +164,7 @@ AGENT_SCHEMA = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "o
                 "required": ["file_path"]}
 
 
+@pytest.mark.slow  # an 80-token tool call; test_agent_door replays real agents' requests quick
 def test_an_agent_shaped_anthropic_request_streams(claude):
     tools = [{"name": "Read", "description": "Read a file", "input_schema": AGENT_SCHEMA},
              {**ANTHROPIC_TOOLS[0], "cache_control": {"type": "ephemeral"}}]
@@ -180,6 +181,7 @@ def test_an_agent_shaped_anthropic_request_streams(claude):
     jsonschema.validate(use.input, schema)
 
 
+@pytest.mark.slow  # an 80-token tool call; test_agent_door replays real agents' requests quick
 def test_an_agent_shaped_openai_request_streams(oai):
     tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file", "strict": True,
                                                "parameters": AGENT_SCHEMA}}, *OPENAI_TOOLS]

@@ -48,7 +48,7 @@ def llama_greedy(llm: llama_cpp.Llama, prompt: str, n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", [*PROMPTS[:2], *(pytest.param(p, marks=pytest.mark.slow) for p in PROMPTS[2:])])
 def test_greedy_equals_plain_llama_token_for_token(session, llama, prompt):
     r = session.generate(prompt, max_tokens=MAX_TOKENS, block_size=16 if prompt == PROMPTS[0] else 6)
     assert r.tokens == llama_greedy(llama, prompt, MAX_TOKENS)

@@ -160,6 +160,7 @@ def test_finished_reply_is_markdown_with_its_stats(session) -> None:
     run_app(app, scenario)
 
 
+@pytest.mark.slow  # its own Session with trees; the quick tier keeps under 5 minutes
 def test_a_reply_that_verified_trees_shows_them_in_the_stats(dflash_gguf_path) -> None:
     """A Session opened for trees, a fixed block: every drafting cycle verifies a tree of 8 rows, and the panel
     says so (the block row, and a trees row: cycles, rows, depth accepted, wins off the top-1 chain)."""
@@ -603,6 +604,7 @@ def test_stats_panel_toggles(session) -> None:
     run_app(app, scenario)
 
 
+@pytest.mark.slow  # its own Session of the embedded pair; the quick tier keeps under 5 minutes
 def test_the_embedded_defaults_draft_in_the_chat() -> None:
     """What `dflash-chat` with no arguments opens: the embedded target and its embedded drafter."""
     try:
