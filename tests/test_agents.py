@@ -62,7 +62,7 @@ def server(tool_targets, tmp_path_factory):
     port = _free_port()
     cmd = [sys.executable, "-m", "dflash_gguf.server.cli", "--target", str(tool_targets.path("hermes")),
            "--drafter", str(defaults.embedded_drafter()), "--port", str(port), "--api-key", KEY,
-           "--n-ctx", "4096", "--max-tokens", "48", "--threads", "1"]
+           "--n-ctx", "8192", "--max-tokens", "48", "--threads", "1"]  # 8192: the model's own; a 3-turn Claude Code prompt reached 4120
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stderr=subprocess.STDOUT, stdout=out, env={**os.environ, "DFLASH_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
