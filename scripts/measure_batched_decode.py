@@ -8,7 +8,12 @@ timed so every decode sees the same cache. Its figure, set beside the server's t
 concurrency (scripts/bench_batching.py), says how much of a batched server's cycle is libllama's and how much
 the server's own; --json writes the medians as a cost curve for scripts/project_batching.py.
 
-    python scripts/measure_batched_decode.py --parallel 8 --threads 2 [--json curve.json]
+--caller thread times the same decodes made from a second thread while the main thread, which prefilled the
+sequences, keeps its OpenMP team: ggml-cpu runs a graph as an OpenMP region, libgomp keeps a team of workers
+per thread that ever started one, and once the teams outnumber the CPUs its barriers sleep instead of spinning
+(why a shared context decodes on one thread of its own: docs/DESIGN.md, "One thread decodes").
+
+    python scripts/measure_batched_decode.py --parallel 8 --threads 2 [--json curve.json] [--caller thread]
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -43,6 +50,17 @@ def timed_decodes(target: Target, k: int, position: int, repeats: int) -> list[f
     return times
 
 
+def on_caller(caller: str, f: Callable[..., list[float]], *args: object) -> list[float]:
+    """f(*args) in this thread, or in a second one that ends after it (its OpenMP team goes with it)."""
+    if caller == "main":
+        return f(*args)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(f(*args)))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=None, help="target GGUF (default: the embedded one)")
@@ -53,6 +71,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--no-capture", action="store_true", help="leave the drafter's layer inputs uncaptured")
     p.add_argument("--json", type=Path, help="write {label, seconds: {k: median}} here (a cost curve)")
+    p.add_argument("--caller", choices=("main", "thread"), default="main",
+                   help="which thread times the decodes: the main one, which prefilled, or a second one")
     a = p.parse_args()
     if a.parallel < 1 or a.n_ctx < len(PROMPT) + 1 or a.threads < 1 or a.repeats < 1:
         p.error("--parallel, --threads and --repeats must be >= 1 and --n-ctx must hold the prompt")
@@ -70,11 +90,11 @@ def main() -> None:
         single = None
         curve = {}
         for k in sorted({*(2 ** i for i in range(a.parallel.bit_length()) if 2 ** i <= a.parallel), a.parallel}):
-            ms = 1000 * statistics.median(timed_decodes(target, k, len(PROMPT), a.repeats))
+            ms = 1000 * statistics.median(on_caller(a.caller, timed_decodes, target, k, len(PROMPT), a.repeats))
             single = single or ms
             curve[k] = ms / 1000
             print(f"{k} sequence(s) x 1 row: median {ms:.1f} ms ({ms / single:.2f} single steps), "
-                  f"{a.threads} thread(s), capture {'off' if a.no_capture else 'on'}")
+                  f"{a.threads} thread(s), capture {'off' if a.no_capture else 'on'}, decoded from the {a.caller} thread")
         if a.json:
             label = (f"{path.name}, this machine's CPU, {a.threads} thread(s): k sequences x 1 row in one pass "
                      f"(scripts/measure_batched_decode.py)")
