@@ -94,7 +94,7 @@ def main() -> None:
             single = single or ms
             curve[k] = ms / 1000
             print(f"{k} sequence(s) x 1 row: median {ms:.1f} ms ({ms / single:.2f} single steps), "
-                  f"{a.threads} thread(s), capture {'off' if a.no_capture else 'on'}, decoded from the {a.caller} thread")
+                  f"{a.threads} thread(s), capture {'off' if a.no_capture else 'on'}, decoded from {'the main thread' if a.caller == 'main' else 'a second thread'}")
         if a.json:
             label = (f"{path.name}, this machine's CPU, {a.threads} thread(s): k sequences x 1 row in one pass "
                      f"(scripts/measure_batched_decode.py)")
