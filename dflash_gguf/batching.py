@@ -29,9 +29,8 @@ The rules that keep each sequence's outputs valid:
 Every batch is decoded by one thread of the context's own, the *decoder*, never by the slot threads that hand
 rows over. ggml's CPU backend runs a graph as an OpenMP parallel region, and its barriers between operations are
 OpenMP barriers: each thread that has ever decoded keeps its own team of OpenMP workers alive, and once those
-outnumber the CPUs libgomp stops spinning at barriers and sleeps on a futex at each of the graph's hundreds.
-Decoded by whichever of eight slot threads came last, an 8-row batch took 58-70 ms and a 2-row one 70 ms
-against 41 and 15 ms decoded from one thread (docs/DESIGN.md, "One thread decodes").
+outnumber the CPUs libgomp stops spinning at barriers and sleeps on a futex at each of the graph's hundreds
+(docs/DESIGN.md, "One thread decodes"; `scripts/measure_batched_decode.py --caller thread` shows it).
 """
 
 from __future__ import annotations
@@ -84,11 +83,9 @@ class PassCosts:
         self._xx = np.zeros((2, 2))
         self._xy = np.zeros(2)
 
-    def observe(self, taken: list[Request], fillers: list[Request], seconds: float) -> None:
-        n = taken[0].n
-        if any(r.n != n for r in taken):
-            return  # cut by run length as well: its passes are not counted here
-        ids = sorted([r.seq for r in taken] + [f.seq for f in fillers])
+    def observe(self, ids: list[int], n: int, seconds: float) -> None:
+        """A decode of n rows for each of the sorted sequence ids (a batch of unequal runs is cut by run length
+        as well, so its passes are not these: not observed)."""
         x = np.array([1.0 + sum(b != a + 1 for a, b in zip(ids, ids[1:])), float(n * len(ids))])
         self._xx = self.DECAY * self._xx + np.outer(x, x)
         self._xy = self.DECAY * self._xy + x * seconds
@@ -136,6 +133,15 @@ class Request:
         self.row = self.out = 0  # the first batch row and first output row that are this request's
         self.error: BaseException | None = None
         self.done = threading.Event()  # set by the decoder: only this request's thread wakes
+
+
+@dataclass(frozen=True)
+class Filler:
+    """n rows of a sequence that is not in the batch, at positions start.. (after its cells), no outputs."""
+
+    seq: int
+    start: int
+    n: int
 
 
 Runner = Callable[[list[Request]], None]  # decodes the requests of one stage at once (the gather's lock held)
@@ -346,9 +352,9 @@ class SharedContext:
         out = 0
         row = 0
         for r in sorted([*taken, *fillers], key=lambda r: r.seq):
-            if r.payload is None:  # a filler: n rows of a sequence not in the batch, past its cells, no outputs
+            if isinstance(r, Filler):
                 owner._tok[row : row + r.n] = 0
-                owner._pos[row : row + r.n] = np.arange(r.row, r.row + r.n)
+                owner._pos[row : row + r.n] = np.arange(r.start, r.start + r.n)
                 owner._seq[row : row + r.n, 0] = r.seq
                 owner._out[row : row + r.n] = 0
                 row += r.n
@@ -378,8 +384,9 @@ class SharedContext:
             memory = capi.llama_get_memory(owner.ctx) if not owner.closed else None
             for f in fillers:  # their cells go at once: the sequence holds what it held, in the cells it held
                 if memory is not None:
-                    capi.llama_memory_seq_rm(memory, f.seq, f.row, -1)
-            self.passes.observe(taken, fillers, seconds)
+                    capi.llama_memory_seq_rm(memory, f.seq, f.start, -1)
+            if all(r.n == taken[0].n for r in taken):
+                self.passes.observe(sorted([r.seq for r in taken] + [f.seq for f in fillers]), taken[0].n, seconds)
             self.last = BatchRecord(len(taken), rows, seconds)
             self.decode_s += seconds
             self.batches += 1
@@ -387,7 +394,7 @@ class SharedContext:
             self.filler_rows += sum(f.n for f in fillers)
             self.shared_batches += len(taken) > 1
 
-    def _fillers(self, taken: list[Request]) -> list[Request]:
+    def _fillers(self, taken: list[Request]) -> list[Filler]:
         """Rows for the sequences missing between the batch's runs of consecutive ids, where a pass saved is
         worth more than the rows added (`PassCosts`).
 
@@ -402,7 +409,7 @@ class SharedContext:
             return []
         memory = capi.llama_get_memory(self.owner.ctx)
         ids = sorted(r.seq for r in taken)
-        fillers: list[Request] = []
+        fillers: list[Filler] = []
         rows = n * len(taken)
         for a, b in zip(ids, ids[1:]):
             gap = range(a + 1, b)
@@ -411,10 +418,7 @@ class SharedContext:
             ends = [capi.llama_memory_seq_pos_max(memory, g) + 1 for g in gap]
             if max(ends) + n > self.owner.n_ctx_seq:
                 continue  # a full sequence has no cell to lend
-            for g, end in zip(gap, ends):
-                f = Request(g, Stage.TARGET, n, 0, None)
-                f.row = end  # a filler's first position
-                fillers.append(f)
+            fillers += [Filler(g, end, n) for g, end in zip(gap, ends)]
             rows += len(gap) * n
         return fillers
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from load_test_server import PROMPTS  # noqa: E402
 
-from dflash_gguf.batching import PassCosts, Request, Stage  # noqa: E402
+from dflash_gguf.batching import PassCosts  # noqa: E402
 
 LAYOUTS = ("per-slot", "stream", "filled", "unified")
 
@@ -89,12 +89,10 @@ def priced_step(active: list[int], t: Callable[[int], float], passes: PassCosts)
     as the shared context would (its filled batch, or its runs)."""
     ids = sorted(active)
     stream = sum(t(r) for r in runs(ids))
-    taken = [Request(s, Stage.TARGET, 1, 1, None) for s in ids]
-    fillers = [Request(g, Stage.TARGET, 1, 0, None) for a, b in zip(ids, ids[1:]) for g in range(a + 1, b)
-               if passes.fill_pays(b - a - 1)]
-    filled_ids = sorted(ids + [f.seq for f in fillers])
+    fillers = [g for a, b in zip(ids, ids[1:]) for g in range(a + 1, b) if passes.fill_pays(b - a - 1)]
+    filled_ids = sorted(ids + fillers)
     filled = sum(t(r) for r in runs(filled_ids))
-    passes.observe(taken, fillers, filled)
+    passes.observe(filled_ids, 1, filled)
     return {"per-slot": len(ids) * t(1), "stream": stream, "filled": filled, "unified": t(len(ids))}
 
 
